@@ -1,0 +1,83 @@
+"""The draft tree: what the drafter proposes in one round and the target verifies in one forward.
+
+A chain is the tree whose every node has the previous one as parent.  Nodes are stored flattened in
+breadth-first (hence topological) order; the *root* is the last committed token (the target's own "bonus"
+token, not yet in the target's cache) and is not a node of the tree: a node whose parent is ``-1`` hangs
+directly under the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """One round's draft (batch size 1).
+
+    Attributes:
+        tokens (`torch.LongTensor` of shape `(N,)`): draft token id of each node.
+        parents (`torch.LongTensor` of shape `(N,)`): index of each node's parent node, `-1` for the root.
+            Always `parents[i] < i`.
+        depths (`torch.LongTensor` of shape `(N,)`): depth of each node, `1` for children of the root.
+        logprobs (`torch.FloatTensor` of shape `(N,)`): drafter log-probability of each node's token given
+            its root-to-parent path.
+        draft_probs (`torch.FloatTensor` of shape `(N, V)`, *optional*): the full draft distribution `q` each
+            node's token was drawn from (chains in sampling mode; zero outside the candidate set).
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    logprobs: torch.FloatTensor
+    draft_probs: torch.FloatTensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.num_nodes else 0
+
+    @property
+    def is_chain(self) -> bool:
+        expected = torch.arange(-1, self.num_nodes - 1, device=self.parents.device)
+        return bool(torch.equal(self.parents, expected))
+
+    @classmethod
+    def chain(cls, tokens: torch.LongTensor, logprobs: torch.FloatTensor | None = None,
+              draft_probs: torch.FloatTensor | None = None) -> "DraftTree":
+        n = int(tokens.shape[0])
+        device = tokens.device
+        if logprobs is None:
+            logprobs = torch.zeros(n, device=device)
+        return cls(
+            tokens=tokens,
+            parents=torch.arange(-1, n - 1, device=device),
+            depths=torch.arange(1, n + 1, device=device),
+            logprobs=logprobs,
+            draft_probs=draft_probs,
+        )
+
+    def ancestor_matrix(self) -> torch.BoolTensor:
+        """`(N, N)` bool: `anc[i, j]` is True when node `j` is node `i` or one of its ancestors."""
+        n = self.num_nodes
+        anc = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+        parents = self.parents.tolist()
+        for i in range(n):
+            p = parents[i]
+            if p >= 0:
+                anc[i] |= anc[p]
+        return anc
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the first level down to `node` (inclusive)."""
+        path = []
+        parents = self.parents.tolist()
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
