@@ -1,0 +1,694 @@
+"""The ChainFlow drafter: VAE over target states, rectified-flow transport, token-feedback heads, candidate search.
+
+Reading order: small layers (attention, block) -> VAE -> velocity network -> heads -> `ChainFlowDrafter`
+(`forward` for training, `draft` for serving).  Alignment (SPEC.md): with committed tokens `x_1..x_{t+1}` and
+target states `h_1..h_t`, draft position `i = 1..K` predicts the state `h_{t+i}` and so the token `x_{t+1+i}`;
+its parents are `x_{t+i-p+1 .. t+i}`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, GenerationConfig, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_chainflow import ChainFlowConfig
+from .tree import DraftTree
+
+DRAFT_MODES = ("chain", "tree")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small layers
+# ----------------------------------------------------------------------------------------------------------------
+class ChainFlowAttention(nn.Module):
+    """Multi-head attention; self-attention when `context` is None, cross-attention otherwise."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.kv_proj = nn.Linear(hidden_size, 2 * hidden_size)
+        self.o_proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x, context=None, attn_mask=None, is_causal=False):
+        B, T, H = x.shape
+        kv_in = x if context is None else context
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = self.kv_proj(kv_in).view(B, kv_in.shape[1], 2, self.num_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H))  # (B, T, H)
+
+
+class ChainFlowBlock(nn.Module):
+    """Pre-norm block: self-attention -> (optional) cross-attention to the context -> feed-forward."""
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_multiplier: int, cross_attention: bool):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size)
+        self.self_attn = ChainFlowAttention(hidden_size, num_heads)
+        self.cross_attention = cross_attention
+        if cross_attention:
+            self.norm2 = nn.LayerNorm(hidden_size)
+            self.cross_attn = ChainFlowAttention(hidden_size, num_heads)
+        self.norm3 = nn.LayerNorm(hidden_size)
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden_size, ffn_multiplier * hidden_size),
+            nn.GELU(),
+            nn.Linear(ffn_multiplier * hidden_size, hidden_size),
+        )
+
+    def forward(self, x, self_mask=None, is_causal=False, context=None, context_mask=None):
+        x = x + self.self_attn(self.norm1(x), attn_mask=self_mask, is_causal=is_causal)
+        if self.cross_attention:
+            x = x + self.cross_attn(self.norm2(x), context=context, attn_mask=context_mask)
+        return x + self.mlp(self.norm3(x))
+
+
+def _key_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`(B, S)` bool validity -> `(B, 1, 1, S)` attention mask; rows with no valid key attend to everything."""
+    if mask is None:
+        return None
+    mask = mask.bool()
+    mask = mask | ~mask.any(-1, keepdim=True)
+    return mask[:, None, None, :]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# VAE over target hidden states
+# ----------------------------------------------------------------------------------------------------------------
+class ChainFlowVAE(nn.Module):
+    """Bidirectional transformer VAE mapping windows of target states `(B, T, D)` to latents `(B, T, Z)`."""
+
+    def __init__(self, config: ChainFlowConfig):
+        super().__init__()
+        D, Z, W = config.target_hidden_size, config.latent_size, config.latent_size
+        self.enc_in = nn.Linear(D, W)
+        self.enc_pos = nn.Parameter(torch.zeros(config.vae_window, W))
+        self.encoder = nn.ModuleList(
+            ChainFlowBlock(W, config.vae_num_heads, 4, cross_attention=False) for _ in range(config.vae_num_layers)
+        )
+        self.enc_norm = nn.LayerNorm(W)
+        self.to_mean = nn.Linear(W, Z)
+        self.to_logvar = nn.Linear(W, Z)
+        self.dec_in = nn.Linear(Z, W)
+        self.dec_pos = nn.Parameter(torch.zeros(config.vae_window, W))
+        self.decoder = nn.ModuleList(
+            ChainFlowBlock(W, config.vae_num_heads, 4, cross_attention=False) for _ in range(config.vae_num_layers)
+        )
+        self.dec_norm = nn.LayerNorm(W)
+        self.dec_out = nn.Linear(W, D)
+
+    def encode(self, states, mask=None):
+        """`(B, T, D)` -> posterior mean and log-variance, each `(B, T, Z)`."""
+        T = states.shape[1]
+        x = self.enc_in(states) + self.enc_pos[-T:]  # (B, T, W), positions right-aligned
+        key_mask = _key_mask(mask)
+        for block in self.encoder:
+            x = block(x, self_mask=key_mask)
+        x = self.enc_norm(x)
+        return self.to_mean(x), self.to_logvar(x).clamp(-30.0, 20.0)
+
+    def decode(self, latents):
+        """`(B, T, Z)` -> reconstructed states `(B, T, D)`."""
+        T = latents.shape[1]
+        x = self.dec_in(latents) + self.dec_pos[:T]  # (B, T, W)
+        for block in self.decoder:
+            x = block(x)
+        return self.dec_out(self.dec_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Velocity network: chunk experts (no routing)
+# ----------------------------------------------------------------------------------------------------------------
+def _time_features(s: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features of flow time `s` `(B,)` -> `(B, dim)`."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(1000.0) * torch.arange(half, device=s.device, dtype=torch.float32) / half)
+    angles = s.float()[:, None] * freqs[None] * 1000.0
+    feats = torch.cat([angles.sin(), angles.cos()], -1)
+    if dim % 2:
+        feats = F.pad(feats, (0, 1))
+    return feats
+
+
+class ChainFlowExpert(nn.Module):
+    """One chunk expert: blocks of self-attention over its draft positions, cross-attention to the context."""
+
+    def __init__(self, config: ChainFlowConfig):
+        super().__init__()
+        Z, H = config.latent_size, config.flow_hidden_size
+        self.in_proj = nn.Linear(Z, H)
+        self.ctx_proj = nn.Linear(Z, H)
+        self.pos_emb = nn.Parameter(torch.zeros(config.expert_size, H))
+        self.time_mlp = nn.Sequential(nn.Linear(H, H), nn.SiLU(), nn.Linear(H, H))
+        self.blocks = nn.ModuleList(
+            ChainFlowBlock(H, config.num_heads, config.ffn_multiplier, cross_attention=True)
+            for _ in range(config.num_blocks)
+        )
+        self.norm = nn.LayerNorm(H)
+        self.out_proj = nn.Linear(H, Z)
+        self.is_causal = config.attention == "causal"
+
+    def forward(self, z, s, context, context_mask):
+        """`z` `(B, P, Z)`, `s` `(B,)`, `context` `(B, C, Z)` -> velocity `(B, P, Z)`."""
+        H = self.pos_emb.shape[-1]
+        x = self.in_proj(z) + self.pos_emb + self.time_mlp(_time_features(s, H).to(z.dtype))[:, None]  # (B, P, H)
+        ctx = self.ctx_proj(context)  # (B, C, H)
+        for block in self.blocks:
+            x = block(x, is_causal=self.is_causal, context=ctx, context_mask=context_mask)
+        return self.out_proj(self.norm(x))
+
+
+class ChainFlowVelocityNet(nn.Module):
+    """`v(z_s, s, c)` for all `K` draft positions; expert `e` always handles positions `e*P+1 .. (e+1)*P`."""
+
+    def __init__(self, config: ChainFlowConfig):
+        super().__init__()
+        self.expert_size = config.expert_size
+        self.experts = nn.ModuleList(ChainFlowExpert(config) for _ in range(config.num_experts))
+
+    def forward(self, z, s, context, context_mask=None):
+        key_mask = _key_mask(context_mask)
+        chunks = z.split(self.expert_size, dim=1)  # E x (B, P, Z)
+        return torch.cat([expert(c, s, context, key_mask) for expert, c in zip(self.experts, chunks)], 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token feedback heads
+# ----------------------------------------------------------------------------------------------------------------
+class ChainFlowPathHead(nn.Module):
+    """`r(parents, h)`: per-offset projections of the frozen parent embeddings, summed, mixed with `h`, MLP.
+
+    The output layer is zero-initialised, so training starts from the marginal flow.
+    """
+
+    def __init__(self, config: ChainFlowConfig):
+        super().__init__()
+        D, R, p = config.target_hidden_size, config.path_hidden_size, config.path_order
+        self.offset_proj = nn.Parameter(torch.empty(p, D, R))
+        self.state_proj = nn.Linear(D, R)
+        self.mlp = nn.Sequential(nn.GELU(), nn.Linear(R, R), nn.GELU())
+        self.out = nn.Linear(R, D)
+
+    def forward(self, parent_embeds, states):
+        """`parent_embeds` `(..., p, D)`, `states` `(..., D)` -> correction `(..., D)`."""
+        x = torch.einsum("...pd,pdr->...r", parent_embeds, self.offset_proj) + self.state_proj(states)  # (..., R)
+        return self.out(self.mlp(x))
+
+
+class ChainFlowMarkovHead(nn.Module):
+    """Rank-`r` first-order transition bias `U2 U1[x_prev]` over the draft vocabulary (zero-initialised `U2`)."""
+
+    def __init__(self, num_prev: int, num_out: int, rank: int):
+        super().__init__()
+        self.u1 = nn.Embedding(num_prev, rank)
+        self.u2 = nn.Parameter(torch.zeros(num_out, rank))
+
+    def forward(self, prev_index, rows=None):
+        """`prev_index` `(...)` indices into the draft vocabulary (+1 "other" row) -> bias `(..., S or M)`."""
+        u2 = self.u2 if rows is None else self.u2[rows]
+        return self.u1(prev_index) @ u2.T
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class ChainFlowDrafterOutput(ModelOutput):
+    """
+    Everything the ChainFlow loss needs (B = batch, C = context, K = draft positions, N = flow steps, Z = latent,
+    D = target hidden size, S = draft vocabulary: the shortlist, or the full vocabulary without one).
+
+    velocity (`(B, K, Z)`): predicted velocity at the sampled flow time `flow_time`.
+    velocity_target (`(B, K, Z)`): `z1 - z0`.
+    flow_time (`(B,)`): sampled `s`.
+    predicted_states (`(B, N, K, D)`): decoded states after each Euler step of the `N`-step trajectory from `z0`.
+    corrected_states (`(B, K, D)`): final states plus the path correction `r`.
+    target_states (`(B, K, D)`): the true future states.
+    target_mask (`(B, K)`): which positions are valid.
+    marginal_logits (`(B, K, S)`): `W_S h_N`.
+    logits (`(B, K, S)`): `W_S (h_N + r) + markov` (teacher-forced parents).
+    labels (`(B, K)`): true tokens as indices into the draft vocabulary, `-100` where masked or outside it.
+    reconstructed_states (`(B, C + K, D)`): VAE reconstruction of context and target windows (sampled latents).
+    reconstruction_targets (`(B, C + K, D)`), reconstruction_mask (`(B, C + K)`).
+    kl (`()`): mean KL of the VAE posterior to `N(0, I)` per latent element (0 without a VAE).
+    """
+
+    velocity: torch.FloatTensor | None = None
+    velocity_target: torch.FloatTensor | None = None
+    flow_time: torch.FloatTensor | None = None
+    predicted_states: torch.FloatTensor | None = None
+    corrected_states: torch.FloatTensor | None = None
+    target_states: torch.FloatTensor | None = None
+    target_mask: torch.BoolTensor | None = None
+    marginal_logits: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    labels: torch.LongTensor | None = None
+    reconstructed_states: torch.FloatTensor | None = None
+    reconstruction_targets: torch.FloatTensor | None = None
+    reconstruction_mask: torch.BoolTensor | None = None
+    kl: torch.FloatTensor | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The drafter
+# ----------------------------------------------------------------------------------------------------------------
+class ChainFlowPreTrainedModel(PreTrainedModel):
+    config_class = ChainFlowConfig
+    config: ChainFlowConfig
+    base_model_prefix = "chainflow"
+    main_input_name = "context_states"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, (ChainFlowVAE,)):
+            nn.init.normal_(module.enc_pos, std=std)
+            nn.init.normal_(module.dec_pos, std=std)
+        if isinstance(module, ChainFlowExpert):
+            nn.init.normal_(module.pos_emb, std=std)
+        if isinstance(module, ChainFlowPathHead):
+            nn.init.normal_(module.offset_proj, std=std)
+            nn.init.zeros_(module.out.weight)
+            nn.init.zeros_(module.out.bias)
+        if isinstance(module, ChainFlowMarkovHead):
+            nn.init.zeros_(module.u2)
+
+
+class ChainFlowDrafter(ChainFlowPreTrainedModel):
+    """ChainFlow drafter (arXiv 2611.08669). Borrows the target's frozen `lm_head` and embeddings via
+    [`~ChainFlowDrafter.bind_target`]; they are never owned or saved.
+
+    Use it as `target.generate(**inputs, assistant_model=drafter)` after `import hf_chainflow`.
+    """
+
+    def __init__(self, config: ChainFlowConfig):
+        super().__init__(config)
+        self.vae = ChainFlowVAE(config) if config.use_vae else None
+        self.velocity = ChainFlowVelocityNet(config)
+        self.path_head = ChainFlowPathHead(config) if config.feedback == "markov+path" else None
+        shortlist = torch.tensor(config.shortlist if config.shortlist is not None else [], dtype=torch.long)
+        S = len(config.shortlist) if config.shortlist is not None else config.vocab_size
+        self.draft_vocab_size = S
+        self.markov_head = ChainFlowMarkovHead(S + 1, S, config.markov_rank) if config.feedback != "none" else None
+        # Draft vocabulary: shortlist ids (S,) and the map vocab id -> draft index (S = "other").
+        self.register_buffer("shortlist_ids", shortlist, persistent=False)
+        self._bound: dict = {}
+        self.generation_config = GenerationConfig(
+            num_assistant_tokens=3,
+            num_assistant_tokens_schedule="constant",
+            draft_mode="chain",
+            tree_width=8,
+            tree_depth=4,
+            num_flow_steps=config.num_flow_steps,
+        )
+        self.last_stats = None
+        self.post_init()
+
+    # ------------------------------------------------------------------ binding the target
+    def bind_target(self, target: PreTrainedModel) -> "ChainFlowDrafter":
+        """Borrow `target`'s frozen `lm_head` and input embeddings (shared, not copied into the state dict).
+
+        Raises a `ValueError` naming both fingerprints when the target does not match the one the drafter was
+        configured for.
+        """
+        cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        mine = self.config.target_fingerprint()
+        theirs = {"model_type": getattr(cfg, "model_type", None), "hidden_size": getattr(cfg, "hidden_size", None),
+                  "vocab_size": getattr(cfg, "vocab_size", None)}
+        out_emb = target.get_output_embeddings()
+        in_emb = target.get_input_embeddings()
+        if out_emb is None or in_emb is None:
+            raise ValueError(f"`target` ({type(target).__name__}) must have input and output embeddings (an LM head).")
+        mismatched = [k for k in ("hidden_size", "vocab_size") if mine[k] != theirs[k]]
+        if mine["model_type"] is not None and mine["model_type"] != theirs["model_type"]:
+            mismatched.append("model_type")
+        if out_emb.weight.shape != (self.config.vocab_size, self.config.target_hidden_size):
+            mismatched.append("lm_head shape")
+        if mismatched:
+            raise ValueError(
+                f"This drafter was built for target {mine} but was given {theirs} "
+                f"(lm_head {tuple(out_emb.weight.shape)}); mismatched: {mismatched}. Train or load a drafter for "
+                f"this target (`ChainFlowConfig.for_target(target.config)`)."
+            )
+        self._bound = {"lm_head": out_emb, "embed": in_emb, "target_config": target.config}
+        self._draft_head_cache = None
+        self.shortlist_ids = self.shortlist_ids.to(out_emb.weight.device)
+        return self
+
+    @property
+    def is_bound(self) -> bool:
+        return bool(self._bound)
+
+    def _require_bound(self):
+        if not self._bound:
+            raise ValueError(
+                "This ChainFlowDrafter is not bound to a target: call `drafter.bind_target(target)` or load it with "
+                "`ChainFlowDrafter.from_pretrained(path, target=target)` before drafting or training."
+            )
+
+    def draft_head_weight(self) -> torch.Tensor:
+        """The target's `lm_head` rows of the draft vocabulary `(S, D)`, detached, in the drafter's dtype.
+
+        A derived cache of the bound target's weight (recomputed on bind and dtype/device change; never saved).
+        """
+        self._require_bound()
+        W = self._bound["lm_head"].weight
+        key = (W.data_ptr(), W.dtype, W.device, self.dtype)
+        cache = getattr(self, "_draft_head_cache", None)
+        if cache is None or cache[0] != key:
+            Wd = W.detach()
+            if self.config.shortlist is not None:
+                Wd = Wd.index_select(0, self.shortlist_ids.to(W.device))
+            self._draft_head_cache = (key, Wd.to(self.dtype).contiguous())
+        return self._draft_head_cache[1]
+
+    def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
+        if self.config.shortlist is None:
+            return tokens
+        lut = getattr(self, "_lut", None)
+        if lut is None or lut.device != tokens.device:
+            lut = torch.full((self.config.vocab_size,), self.draft_vocab_size, dtype=torch.long, device=tokens.device)
+            lut[self.shortlist_ids.to(tokens.device)] = torch.arange(self.draft_vocab_size, device=tokens.device)
+            self._lut = lut
+        return lut[tokens]
+
+    def _draft_index_to_token(self, index: torch.Tensor) -> torch.Tensor:
+        if self.config.shortlist is None:
+            return index
+        return self.shortlist_ids.to(index.device)[index]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Frozen target embeddings of `tokens` `(...)` -> `(..., D)` in the drafter's dtype."""
+        return F.embedding(tokens, self._bound["embed"].weight.detach()).to(self.dtype)
+
+    # ------------------------------------------------------------------ latent transport
+    def encode(self, states, mask=None):
+        """Posterior mean and log-variance `(B, T, Z)` (the identity latent without a VAE)."""
+        if self.vae is None:
+            return states, torch.zeros_like(states)
+        return self.vae.encode(states, mask)
+
+    def decode(self, latents):
+        return latents if self.vae is None else self.vae.decode(latents)
+
+    def source(self, context_latents, context_mask=None):
+        """Flow source `z0` `(B, K, Z)` from the context latents `(B, C, Z)`."""
+        B, _, Z = context_latents.shape
+        K = self.config.num_draft_positions
+        z_t = context_latents[:, -1]  # (B, Z)
+        if self.config.source == "noise":
+            return torch.randn(B, K, Z, device=z_t.device, dtype=z_t.dtype, generator=self._noise_generator())
+        if self.config.source == "repeat" or context_latents.shape[1] < 2:
+            return z_t[:, None].expand(B, K, Z)
+        delta = z_t - context_latents[:, -2]  # (B, Z)
+        if context_mask is not None:
+            delta = delta * context_mask[:, -2, None].to(delta.dtype)  # no slope from a padded state
+        steps = torch.arange(1, K + 1, device=z_t.device, dtype=z_t.dtype)
+        return z_t[:, None] + steps[None, :, None] * delta[:, None]  # (B, K, Z)
+
+    def _noise_generator(self):
+        if self.training:
+            return None  # training draws from the global RNG
+        gen = getattr(self, "_serving_generator", None)
+        if gen is None or gen.device != self.device:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(0)
+            self._serving_generator = gen
+        return gen
+
+    def integrate(self, z0, context, context_mask=None, num_steps: int = 1, return_trajectory: bool = False):
+        """`num_steps` Euler steps `z <- z + v(z, s, c)/N` from `z0` `(B, K, Z)`."""
+        z = z0
+        trajectory = []
+        for n in range(num_steps):
+            s = torch.full((z.shape[0],), n / num_steps, device=z.device, dtype=z.dtype)
+            z = z + self.velocity(z, s, context, context_mask) / num_steps
+            trajectory.append(z)
+        return torch.stack(trajectory, 1) if return_trajectory else z  # (B, N, K, Z) or (B, K, Z)
+
+    def _context(self, hidden_states, context_mask=None):
+        C = self.config.context_size
+        states = hidden_states[:, -C:].to(self.dtype)  # (B, <=C, D)
+        mask = None if context_mask is None else context_mask[:, -C:]
+        mean, _ = self.encode(states, mask)
+        return mean, mask
+
+    @torch.no_grad()
+    def predict_states(self, hidden_states, context_mask=None, num_flow_steps: int | None = None):
+        """Serving transport: target states `(B, T, D)` (last `C` used) -> predicted states `(B, K, D)`."""
+        context, mask = self._context(hidden_states, context_mask)
+        z0 = self.source(context, mask)
+        z1 = self.integrate(z0, context, mask, num_flow_steps or self.config.num_flow_steps)
+        return self.decode(z1)
+
+    # ------------------------------------------------------------------ token feedback
+    def feedback_logits(self, states, parents, weight=None, markov_rows=None, head_logits=None):
+        """Eq. 3 over the draft vocabulary (or a subset of its rows).
+
+        `states` `(..., D)`, `parents` `(..., p)` vocabulary ids (the last one is the previous token).
+        `weight` `(S or M, D)`: the head rows (default: the whole draft vocabulary); `markov_rows` `(M,)`: the
+        same subset as draft-vocabulary indices; `head_logits` `(..., S or M)`: precomputed `weight @ states`.
+        Returns `(..., S or M)`.
+        """
+        W = self.draft_head_weight() if weight is None else weight
+        logits = head_logits if head_logits is not None else states @ W.T
+        if self.path_head is not None:
+            r = self.path_head(self._embed(parents), states)  # (..., D)
+            logits = logits + r @ W.T
+        if self.markov_head is not None:
+            logits = logits + self.markov_head(self._token_to_draft_index(parents[..., -1]), markov_rows)
+        return logits
+
+    # ------------------------------------------------------------------ training forward
+    def forward(
+        self,
+        context_states: torch.FloatTensor,
+        target_states: torch.FloatTensor,
+        target_tokens: torch.LongTensor,
+        prev_tokens: torch.LongTensor,
+        context_mask: torch.BoolTensor | None = None,
+        target_mask: torch.BoolTensor | None = None,
+        **kwargs,
+    ) -> ChainFlowDrafterOutput:
+        """Training forward over windows (see `hf_chainflow.data`).
+
+        Args:
+            context_states (`(B, C, D)`): `h_{t-C+1..t}` (left-padded), `context_mask` `(B, C)`.
+            target_states (`(B, K, D)`): `h_{t+1..t+K}`, `target_mask` `(B, K)`.
+            target_tokens (`(B, K)`): `x_{t+2..t+K+1}`.
+            prev_tokens (`(B, p-1+K)`): `x_{t+2-p..t+K}`; the parents of position `i` are `prev_tokens[:, i-1:i-1+p]`.
+        """
+        self._require_bound()
+        cfg = self.config
+        B, K, D = target_states.shape
+        if K != cfg.num_draft_positions:
+            raise ValueError(f"`target_states` must hold K={cfg.num_draft_positions} positions, got {K}.")
+        context_states = context_states.to(self.dtype)
+        target_states = target_states.to(self.dtype)
+        if context_mask is None:
+            context_mask = torch.ones(context_states.shape[:2], dtype=torch.bool, device=self.device)
+        if target_mask is None:
+            target_mask = torch.ones((B, K), dtype=torch.bool, device=self.device)
+
+        # 1. VAE: posterior over context and target windows (encoded separately, as at serving time).
+        ctx_mean, ctx_logvar = self.encode(context_states, context_mask)  # (B, C, Z)
+        tgt_mean, tgt_logvar = self.encode(target_states, target_mask)  # (B, K, Z)
+        if self.vae is not None:
+            mean = torch.cat([ctx_mean, tgt_mean], 1)
+            logvar = torch.cat([ctx_logvar, tgt_logvar], 1)  # (B, C+K, Z)
+            sample = mean + torch.randn_like(mean) * (0.5 * logvar).exp()
+            recon = torch.cat([self.decode(sample[:, : ctx_mean.shape[1]]), self.decode(sample[:, ctx_mean.shape[1]:])], 1)
+            rmask = torch.cat([context_mask, target_mask], 1)
+            kl_el = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean(-1)  # (B, C+K)
+            kl = (kl_el * rmask).sum() / rmask.sum().clamp(min=1)
+            recon_targets = torch.cat([context_states, target_states], 1)
+        else:
+            recon = recon_targets = rmask = None
+            kl = context_states.new_zeros(())
+
+        # 2. Flow matching at a random time s.
+        z0 = self.source(ctx_mean, context_mask)  # (B, K, Z)
+        z1 = tgt_mean
+        s = torch.rand(B, device=self.device, dtype=self.dtype)
+        z_s = (1 - s)[:, None, None] * z0 + s[:, None, None] * z1
+        velocity = self.velocity(z_s, s, ctx_mean, context_mask)
+
+        # 3. The N-step trajectory used at serving time, decoded.
+        traj = self.integrate(z0, ctx_mean, context_mask, cfg.train_flow_steps, return_trajectory=True)  # (B,N,K,Z)
+        N = traj.shape[1]
+        predicted = self.decode(traj.reshape(B * N, K, -1)).reshape(B, N, K, D)
+        final = predicted[:, -1]  # (B, K, D)
+
+        # 4. Heads with teacher-forced parents.
+        p = cfg.path_order
+        parents = prev_tokens.unfold(1, p, 1)  # (B, K, p)
+        W = self.draft_head_weight()  # (S, D)
+        marginal = final @ W.T  # (B, K, S)
+        logits = self.feedback_logits(final, parents, head_logits=marginal)
+        corrected = final
+        if self.path_head is not None:
+            corrected = final + self.path_head(self._embed(parents), final)
+        labels = self._token_to_draft_index(target_tokens)
+        labels = labels.masked_fill(~target_mask | (labels >= self.draft_vocab_size), -100)
+
+        return ChainFlowDrafterOutput(
+            velocity=velocity, velocity_target=z1 - z0, flow_time=s, predicted_states=predicted,
+            corrected_states=corrected, target_states=target_states, target_mask=target_mask,
+            marginal_logits=marginal, logits=logits, labels=labels, reconstructed_states=recon,
+            reconstruction_targets=recon_targets, reconstruction_mask=rmask, kl=kl,
+        )
+
+    # ------------------------------------------------------------------ serving
+    def _check_draft_args(self, mode, num_tokens, tree_width, tree_depth):
+        K = self.config.num_draft_positions
+        if mode not in DRAFT_MODES:
+            raise ValueError(f"`draft_mode` must be one of {DRAFT_MODES}, got {mode!r}.")
+        depth = num_tokens if mode == "chain" else tree_depth
+        name = "num_assistant_tokens" if mode == "chain" else "tree_depth"
+        if not isinstance(depth, int) or not 1 <= depth <= K:
+            raise ValueError(
+                f"`{name}` must be an integer in [1, {K}] (the drafter predicts K={K} positions per pass), got {depth!r}."
+            )
+        if mode == "tree" and (not isinstance(tree_width, int) or tree_width < 1):
+            raise ValueError(f"`tree_width` must be a positive integer, got {tree_width!r}.")
+
+    @torch.no_grad()
+    def draft(
+        self,
+        hidden_states: torch.FloatTensor,
+        input_ids: torch.LongTensor,
+        *,
+        mode: str = "chain",
+        num_tokens: int = 3,
+        tree_width: int = 8,
+        tree_depth: int = 4,
+        num_flow_steps: int | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+    ) -> DraftTree:
+        """One drafting round (batch size 1): one drafter pass, then candidate search.
+
+        Args:
+            hidden_states (`(1, T, D)`): the target's last states `h_{..t}` (the last `C` are used).
+            input_ids (`(1, L)`): committed tokens `x_{..t+1}`; the last one is the bonus token (the tree root).
+            mode: `"chain"` (`num_tokens` nodes) or `"tree"` (`tree_width x tree_depth`).
+            do_sample: chains only; sample each token from the draft distribution (at `temperature`) and return
+                the per-position distributions in `DraftTree.draft_probs`.
+        """
+        self._require_bound()
+        self._check_draft_args(mode, num_tokens, tree_width, tree_depth)
+        if hidden_states.shape[0] != 1 or input_ids.shape[0] != 1:
+            raise ValueError(f"`draft` supports batch size 1, got {hidden_states.shape[0]}.")
+        states = self.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (1, K, D)
+        return self.search(states[0], input_ids[0], mode=mode, num_tokens=num_tokens, tree_width=tree_width,
+                           tree_depth=tree_depth, do_sample=do_sample, temperature=temperature)
+
+    def _candidates(self, states):
+        """Two-pass head, pass 1: shared candidate rows `(M,)` of the draft vocabulary from states `(K, D)`."""
+        W = self.draft_head_weight()
+        M = self.config.candidate_budget
+        if W.shape[0] <= M:
+            return None, states @ W.T  # every row is a candidate; (K, S)
+        scores = states @ W.T  # (K, S)
+        rows = scores.max(0).values.topk(M).indices  # (M,)
+        return rows, scores[:, rows]  # (M,), (K, M)
+
+    @torch.no_grad()
+    def search(self, states, committed, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
+               do_sample=False, temperature=1.0) -> DraftTree:
+        """Candidate search over predicted states `(K, D)` given committed tokens `(L,)` (last = root)."""
+        self._check_draft_args(mode, num_tokens, tree_width, tree_depth)
+        if mode == "tree" and do_sample:
+            raise ValueError("Tree drafts are greedy-only; use `draft_mode='chain'` with `do_sample=True`.")
+        p = self.config.path_order
+        rows, head = self._candidates(states)  # rows (M,) | None, head (K, M)
+        weight = self.draft_head_weight() if rows is None else self.draft_head_weight()[rows]  # (M, D)
+        pad = self.config.pad_token_id or 0
+        tail = committed[-p:]
+        if tail.shape[0] < p:
+            tail = torch.cat([tail.new_full((p - tail.shape[0],), pad), tail])
+        width, branching, depth = (1, 1, num_tokens) if mode == "chain" else (
+            tree_width, min(self.config.tree_branching, tree_width), tree_depth)
+
+        # Beam state: parents window (n, p), cumulative logprob (n,), node index (n,) (-1 = root).
+        beams = tail[None]  # (1, p)
+        beam_score = states.new_zeros(1)
+        beam_node = torch.full((1,), -1, dtype=torch.long, device=states.device)
+        tokens, parents, depths, logps, qs = [], [], [], [], []
+        n_nodes = 0
+        for d in range(depth):
+            logits = self.feedback_logits(states[d].expand(beams.shape[0], -1), beams, weight, rows,
+                                          head_logits=head[d].expand(beams.shape[0], -1))  # (n, M)
+            if do_sample:
+                q = torch.softmax(logits.float() / temperature, -1)  # (1, M)
+                choice = torch.multinomial(q, 1)  # (1, 1)
+                logp = q.gather(1, choice).log()
+                qs.append(q[0])
+            else:
+                logp_all = torch.log_softmax(logits.float(), -1)
+                logp, choice = logp_all.topk(branching, -1)  # (n, b)
+            cum = (beam_score[:, None] + logp).reshape(-1)  # (n*b,)
+            keep = cum.topk(min(width, cum.shape[0])).indices  # (w,)
+            src = keep // choice.shape[1]
+            idx = choice.reshape(-1)[keep]
+            tok = self._draft_index_to_token(idx if rows is None else rows[idx])  # (w,) vocab ids
+            tokens.append(tok)
+            parents.append(beam_node[src])
+            depths.append(torch.full_like(tok, d + 1))
+            logps.append(logp.reshape(-1)[keep])
+            beam_node = torch.arange(n_nodes, n_nodes + tok.shape[0], device=tok.device)
+            n_nodes += tok.shape[0]
+            beams = torch.cat([beams[src, 1:], tok[:, None]], 1)  # (w, p)
+            beam_score = cum[keep]
+        draft_probs = None
+        if do_sample:
+            V = self.config.vocab_size
+            q_rows = torch.stack(qs)  # (n, M or S)
+            ids = self._draft_index_to_token(rows if rows is not None else torch.arange(q_rows.shape[1], device=q_rows.device))
+            draft_probs = q_rows.new_zeros(q_rows.shape[0], V).index_copy_(1, ids, q_rows)  # (n, V)
+        return DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), depths=torch.cat(depths),
+                         logprobs=torch.cat(logps), draft_probs=draft_probs)
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.generation_config.save_pretrained(save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
+        """Load a drafter; with `target=`, bind it (see `bind_target`)."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        gen_file = os.path.join(str(pretrained_model_name_or_path), "generation_config.json")
+        if os.path.isfile(gen_file):
+            model.generation_config = GenerationConfig.from_pretrained(str(pretrained_model_name_or_path))
+        if target is not None:
+            model.bind_target(target)
+        return model
+
+
+AutoConfig.register("chainflow", ChainFlowConfig)
+AutoModel.register(ChainFlowConfig, ChainFlowDrafter)
+
+__all__ = ["ChainFlowDrafter", "ChainFlowPreTrainedModel", "ChainFlowDrafterOutput"]
