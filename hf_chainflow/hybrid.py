@@ -1,0 +1,434 @@
+"""Tree verification for hybrid targets: Gated DeltaNet (GDN) state forking.
+
+A Gated DeltaNet layer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) keeps, per sequence, a causal-conv window (the last
+``K`` pre-conv inputs, newest last) and one recurrent state ``S`` (per value head, ``dk x dv``). Neither can be
+cropped back after a multi-token forward, and a flattened draft tree is not a sequence. During a verify forward
+the layers installed here therefore:
+
+- READ the cache but never write it;
+- give every node the conv window along its own ancestor path (columns above the root come from the cached
+  conv state);
+- compute every node's recurrent output as if its root-to-node path had been run alone, with either
+
+  * ``"chunk"`` (default): one tree-masked WY/UT chunk, i.e. transformers' ``torch_chunk_gated_delta_rule``
+    maths with the causal mask replaced by the ancestor mask and the decay cumsum replaced by a sum along the
+    path; no per-node state is stored, the accepted node's state is rebuilt at commit; or
+  * ``"fork"`` (reference): per-node recurrent steps ``S(i) = step(S(parent(i)), x_i)``, one level of the tree
+    at a time, storing every node's state;
+- record, per layer, what a commit needs (all node windows; the means to get any node's state) in the
+  per-round `HybridTreeContext`, passed through the model's forward kwargs under `TREE_KWARG`.
+
+`commit_hybrid_states` then copies the last accepted node's window and state into the cache IN PLACE.
+
+Installing: `prepare_hybrid_target(model)` swaps the ``__class__`` of each GDN module of *that* model for a
+subclass whose ``forward`` takes the tree path when the `TREE_KWARG` kwarg is present and calls the stock
+``forward`` otherwise. Weights, state-dict keys and plain forwards are unchanged; no class is patched globally.
+
+Batch size 1 is what `hf_chainflow.verification` uses; the maths here is written for any batch with one shared tree.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+
+try:  # fires accelerate's offload hooks of `conv1d`, whose weight we read directly (as the stock forward does)
+    from transformers.integrations.accelerate import force_accelerate_hooks
+except ImportError:  # pragma: no cover
+    def force_accelerate_hooks(_names):
+        return lambda fn: fn
+
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+__all__ = [
+    "TREE_KWARG",
+    "GDN_METHODS",
+    "HybridTreeContext",
+    "prepare_hybrid_target",
+    "is_hybrid_target",
+    "gdn_layers",
+    "commit_hybrid_states",
+]
+
+TREE_KWARG = "chainflow_tree"
+"""Name of the forward kwarg that carries the `HybridTreeContext` down to the GDN layers."""
+
+GDN_METHODS = ("chunk", "fork")
+
+# Config `layer_types` values that denote a recurrent / linear-attention layer in transformers' hybrid stacks.
+_RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-round context
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class _GDNRecord:
+    """What one GDN layer's verify left for the commit. `n` = flattened inputs (root + nodes)."""
+
+    window: torch.Tensor  # (B, C, n, K): every node's conv window along its path, oldest first, newest last
+    ancestors: torch.Tensor  # (n, n) bool
+    method: str
+    states: torch.Tensor | None = None  # fork: (B, HV, n, dk, dv) fp32 state after each node
+    initial_state: torch.Tensor | None = None  # chunk: (B, HV, dk, dv) fp32 state before the root
+    initial_version: int | None = None  # chunk: `_version` of the cached state read (guards against mutation)
+    key: torch.Tensor | None = None  # chunk: (B, HV, n, dk) l2-normed keys
+    new_value: torch.Tensor | None = None  # chunk: (B, HV, n, dv) the delta-rule corrections ("v_new")
+    path_decay: torch.Tensor | None = None  # chunk: (B, HV, n) log-decay summed over each node's path
+
+    def state(self, node: int) -> torch.Tensor:
+        """Recurrent state after flattened input `node` (0 = root), `(B, HV, dk, dv)` in fp32."""
+        if self.method == "fork":
+            return self.states[:, :, node]
+        c = self.path_decay  # (B, HV, n)
+        anc = self.ancestors[node]  # (n,)
+        # exp(c_a - c_j) on the ancestors j of a only; masked before exp so non-ancestors cannot overflow
+        weight = torch.where(anc, c[..., node : node + 1] - c, float("-inf")).exp()  # (B, HV, n)
+        update = (self.key * weight[..., None]).transpose(-1, -2) @ self.new_value  # (B, HV, dk, dv)
+        return self.initial_state * c[..., node].exp()[..., None, None] + update
+
+
+@dataclass
+class HybridTreeContext:
+    """Per-round tree description shared by all GDN layers, and the place they leave their commit records.
+
+    Args:
+        parents (`torch.LongTensor` of shape `(n,)`): parent of each flattened input; index 0 is the root (parent
+            -1), every other input's parent has a smaller index (topological order).
+        ancestors (`torch.BoolTensor` of shape `(n, n)`): `ancestors[i, j]` is True when input `j` is `i` or one
+            of its ancestors.
+        method (`str`): `"chunk"` (default, tree-masked WY chunk) or `"fork"` (per-node states, reference).
+    """
+
+    parents: torch.LongTensor
+    ancestors: torch.BoolTensor
+    method: str = "chunk"
+    records: dict[int, _GDNRecord] = field(default_factory=dict)
+    _conv_index: dict[tuple[int, str], torch.LongTensor] = field(default_factory=dict, repr=False)
+    _levels: list[torch.LongTensor] | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.method not in GDN_METHODS:
+            raise ValueError(f"`method` must be one of {GDN_METHODS}, got {self.method!r}.")
+
+    @property
+    def num_inputs(self) -> int:
+        return int(self.parents.shape[0])
+
+    def conv_index(self, kernel_size: int, device: torch.device) -> torch.LongTensor:
+        """`(n, K)` indices into `cat([conv_state[..., -(K-1):], x], -1)` (length `K-1+n`): node i's window along
+        its ancestor path, oldest first. Columns above the root come from the carried conv state."""
+        key = (kernel_size, str(device))
+        if key not in self._conv_index:
+            parents = self.parents.tolist()
+            rows = []
+            for i in range(len(parents)):
+                window, node = [], i
+                carried = kernel_size - 2  # newest carried column
+                for _ in range(kernel_size):
+                    if node >= 0:
+                        window.append(kernel_size - 1 + node)
+                        node = parents[node]
+                    else:
+                        window.append(carried)
+                        carried -= 1
+                rows.append(window[::-1])
+            self._conv_index[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return self._conv_index[key]
+
+    def levels(self) -> list[torch.LongTensor]:
+        """Flattened inputs grouped by depth (root first)."""
+        if self._levels is None:
+            depth: list[int] = []
+            for p in self.parents.tolist():
+                depth.append(0 if p < 0 else depth[p] + 1)
+            depth_t = torch.tensor(depth)
+            self._levels = [
+                torch.nonzero(depth_t == d).flatten().to(self.parents.device) for d in range(max(depth) + 1)
+            ]
+        return self._levels
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tree-aware GDN forward
+# --------------------------------------------------------------------------------------------------------------
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _project(layer: nn.Module, hidden_states: torch.Tensor):
+    """The layer's input projections: pre-conv `(B, C, n)` qkv, gate `z` `(B, n, HV, dv)`, `b`, `a` `(B, n, HV)`."""
+    bsz, n, _ = hidden_states.shape
+    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next layout: fused, head-interleaved projections
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(
+            layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states)
+        )
+        mixed_qkv = torch.cat([t.reshape(bsz, n, -1) for t in (q, k, v)], dim=-1)  # (B, n, C)
+    else:  # Qwen3.5 layout
+        mixed_qkv = layer.in_proj_qkv(hidden_states)  # (B, n, C)
+        z = layer.in_proj_z(hidden_states).reshape(bsz, n, -1, layer.head_v_dim)
+        b = layer.in_proj_b(hidden_states)
+        a = layer.in_proj_a(hidden_states)
+    return mixed_qkv.transpose(1, 2), z, b, a
+
+
+def _tree_conv(layer: nn.Module, mixed_qkv: torch.Tensor, conv_state: torch.Tensor | None, ctx: HybridTreeContext):
+    """Causal depthwise conv along each node's ancestor path. Returns activated `(B, C, n)` and windows
+    `(B, C, n, K)` (a node's window is exactly the conv state after that node)."""
+    bsz, channels, _ = mixed_qkv.shape
+    kernel = layer.conv_kernel_size
+    if conv_state is None:  # no prefix: like the stock prefill, the left context is zeros
+        carried = mixed_qkv.new_zeros(bsz, channels, kernel - 1)
+    else:
+        carried = conv_state[..., conv_state.shape[-1] - (kernel - 1) :].to(mixed_qkv.dtype)  # (B, C, K-1)
+    extended = torch.cat([carried, mixed_qkv], dim=-1)  # (B, C, K-1+n)
+    window = extended[..., ctx.conv_index(kernel, mixed_qkv.device)]  # (B, C, n, K)
+    weight = layer.conv1d.weight.squeeze(1)  # (C, K)
+    out = torch.einsum("bcnk,ck->bcn", window.to(weight.dtype), weight)  # (B, C, n)
+    if layer.conv1d.bias is not None:
+        out = out + layer.conv1d.bias[:, None]
+    out = ACT2FN[layer.activation](out)
+    return out.to(mixed_qkv.dtype), window
+
+
+def _chunk_core(q, k, v, g, beta, s0, anc):
+    """Tree-masked WY/UT chunk. q, k `(B, H, n, dk)`, v `(B, H, n, dv)`, g, beta `(B, H, n)`, s0 `(B, H, dk, dv)`,
+    all fp32. Returns outputs `(B, H, n, dv)` and what a commit needs to rebuild any node's state."""
+    path_decay = g @ anc.to(g.dtype).T  # (B, H, n): c_i = sum of g over i's path (root..i)
+    pair = path_decay[..., :, None] - path_decay[..., None, :]  # (B, H, n, n): c_i - c_j
+    decay = pair.masked_fill(~anc, float("-inf")).exp()  # exp(c_i - c_j) on ancestors only, 0 elsewhere
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # (B, H, n, n), lower-triangular (topological order)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)  # (B, H, n, dv)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * path_decay.exp()[..., None], upper=False, unitriangular=True
+    )  # (B, H, n, dk)
+    new_value = u - w @ s0  # (B, H, n, dv)
+    out = (q * path_decay.exp()[..., None]) @ s0 + ((q @ k.transpose(-1, -2)) * decay) @ new_value
+    return out, new_value, path_decay
+
+
+def _fork_core(q, k, v, g, beta, s0, ctx: HybridTreeContext):
+    """Per-node recurrent steps, one tree level at a time. Same shapes as `_chunk_core`; returns outputs and every
+    node's state `(B, H, n, dk, dv)`."""
+    bsz, heads, n, dk = k.shape
+    dv = v.shape[-1]
+    states = s0.new_zeros(bsz, heads, n, dk, dv)
+    out = v.new_zeros(bsz, heads, n, dv)
+    parents = ctx.parents.to(q.device)
+    for level in ctx.levels():
+        level = level.to(q.device)
+        par = parents[level]
+        if bool((par < 0).all()):
+            state = s0[:, :, None].expand(bsz, heads, level.numel(), dk, dv)  # (B, H, m, dk, dv)
+        else:
+            state = states[:, :, par]
+        state = state * g[..., level].exp()[..., None, None]
+        k_t, v_t, q_t = k[:, :, level], v[:, :, level], q[:, :, level]  # (B, H, m, d)
+        kv_mem = (state * k_t[..., None]).sum(-2)  # (B, H, m, dv)
+        delta = (v_t - kv_mem) * beta[..., level][..., None]
+        state = state + k_t[..., None] * delta[..., None, :]
+        out[:, :, level] = (state * q_t[..., None]).sum(-2)
+        states[:, :, level] = state
+    return out, states
+
+
+@force_accelerate_hooks("conv1d")
+def _tree_forward(layer: nn.Module, hidden_states: torch.Tensor, cache: Cache | None, ctx: HybridTreeContext):
+    """Verify forward of one GDN layer over the flattened tree `hidden_states` `(B, n, D)`. Reads `cache`, never
+    writes it; leaves a `_GDNRecord` in `ctx.records[layer.layer_idx]`."""
+    bsz, n, _ = hidden_states.shape
+    if n != ctx.num_inputs:
+        raise ValueError(
+            f"The tree context describes {ctx.num_inputs} inputs but layer {layer.layer_idx} received {n}; the "
+            "`HybridTreeContext` must be built for this very forward."
+        )
+    conv_state = recurrent_state = None
+    if cache is not None:
+        conv_state = cache.get_conv_state(layer.layer_idx, state_idx=0)
+        recurrent_state = cache.get_recurrent_state(layer.layer_idx, state_idx=0)
+
+    mixed_qkv, z, b, a = _project(layer, hidden_states)
+    mixed_qkv, window = _tree_conv(layer, mixed_qkv, conv_state, ctx)
+    mixed_qkv = mixed_qkv.transpose(1, 2)  # (B, n, C)
+    query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(bsz, n, -1, layer.head_k_dim)  # (B, n, Hk, dk)
+    key = key.reshape(bsz, n, -1, layer.head_k_dim)
+    value = value.reshape(bsz, n, -1, layer.head_v_dim)  # (B, n, HV, dv)
+    beta = b.sigmoid()  # (B, n, HV)
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # (B, n, HV), fp32 log-decay
+
+    # Per-token maths (no tree involved): GQA, fp32, l2-norm, query scaling; then (B, HV, n, d) layout
+    rep = layer.num_v_heads // layer.num_k_heads
+    if rep > 1:
+        query = query.repeat_interleave(rep, dim=2)
+        key = key.repeat_interleave(rep, dim=2)
+    query, key, value = (t.transpose(1, 2).float() for t in (query, key, value))
+    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2)  # (B, HV, n)
+    query = _l2norm(query) * layer.head_k_dim**-0.5
+    key = _l2norm(key)
+
+    heads, dk, dv = value.shape[1], key.shape[-1], value.shape[-1]
+    if recurrent_state is None:
+        s0 = value.new_zeros(bsz, heads, dk, dv)
+        version = None
+    else:
+        s0 = recurrent_state.float()  # no copy when already fp32; never written here
+        version = recurrent_state._version
+
+    anc = ctx.ancestors.to(query.device)
+    record = _GDNRecord(window=window, ancestors=anc, method=ctx.method)
+    if ctx.method == "chunk":
+        core, new_value, path_decay = _chunk_core(query, key, value, g, beta, s0, anc)
+        record.initial_state, record.initial_version = s0, version
+        record.key, record.new_value, record.path_decay = key, new_value, path_decay
+    else:
+        core, record.states = _fork_core(query, key, value, g, beta, s0, ctx)
+    ctx.records[layer.layer_idx] = record
+
+    core = core.transpose(1, 2).to(hidden_states.dtype)  # (B, n, HV, dv)
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(core.reshape(bsz, n, -1))  # (B, n, D)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Installing the tree path on a target
+# --------------------------------------------------------------------------------------------------------------
+class _TreeGDNMixin:
+    """Takes the tree path when the `TREE_KWARG` kwarg is given, the stock forward otherwise."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        ctx = kwargs.pop(TREE_KWARG, None)
+        if ctx is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
+        return _tree_forward(self, hidden_states, cache, ctx)
+
+
+class TreeQwen3_5GatedDeltaNet(_TreeGDNMixin, Qwen3_5GatedDeltaNet):
+    """`Qwen3_5GatedDeltaNet` with the tree-verify path."""
+
+
+class TreeQwen3_5MoeGatedDeltaNet(_TreeGDNMixin, Qwen3_5MoeGatedDeltaNet):
+    """`Qwen3_5MoeGatedDeltaNet` with the tree-verify path."""
+
+
+class TreeQwen3NextGatedDeltaNet(_TreeGDNMixin, Qwen3NextGatedDeltaNet):
+    """`Qwen3NextGatedDeltaNet` with the tree-verify path."""
+
+
+_TREE_CLASSES: dict[type, type] = {
+    Qwen3_5GatedDeltaNet: TreeQwen3_5GatedDeltaNet,
+    Qwen3_5MoeGatedDeltaNet: TreeQwen3_5MoeGatedDeltaNet,
+    Qwen3NextGatedDeltaNet: TreeQwen3NextGatedDeltaNet,
+}
+_SUPPORTED_GDN = tuple(_TREE_CLASSES)
+
+_PREPARED: "weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def _recurrent_layer_indices(model: nn.Module) -> list[int]:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or []
+    return [i for i, t in enumerate(layer_types) if t in _RECURRENT_LAYER_TYPES]
+
+
+_IS_HYBRID: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def is_hybrid_target(model: nn.Module) -> bool:
+    """True when `model` has recurrent / linear-attention layers (by `config.layer_types` or by module type)."""
+    if model in _PREPARED:
+        return True
+    if model not in _IS_HYBRID:
+        _IS_HYBRID[model] = bool(_recurrent_layer_indices(model)) or any(
+            isinstance(m, _SUPPORTED_GDN) for m in model.modules()
+        )
+    return _IS_HYBRID[model]
+
+
+def gdn_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """`{layer_idx: GDN module}` of `model` (after `prepare_hybrid_target`, the tree-aware modules)."""
+    if model in _PREPARED:
+        return _PREPARED[model]
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, _SUPPORTED_GDN)}
+
+
+def prepare_hybrid_target(model: nn.Module) -> dict[int, nn.Module]:
+    """Install the tree-verify path on the GDN layers of `model` (this instance only). Idempotent.
+
+    Each `Qwen3_5GatedDeltaNet` / `Qwen3_5MoeGatedDeltaNet` / `Qwen3NextGatedDeltaNet` module gets a subclass as
+    its `__class__`: parameters, buffers, state-dict keys and plain forwards are unchanged. Returns
+    `{layer_idx: module}`. Raises `ValueError` when the model has recurrent layers of another kind.
+    """
+    if model in _PREPARED:
+        return _PREPARED[model]
+    layers: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if isinstance(module, _TreeGDNMixin):
+            layers[module.layer_idx] = module
+        elif isinstance(module, _SUPPORTED_GDN):
+            module.__class__ = _tree_class(type(module))
+            layers[module.layer_idx] = module
+    expected = _recurrent_layer_indices(model)
+    missing = sorted(set(expected) - set(layers))
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} has recurrent layers {missing} (config.layer_types) that are not Gated "
+            f"DeltaNet layers hf_chainflow can fork; supported layer modules: "
+            f"{', '.join(c.__name__ for c in _SUPPORTED_GDN)}."
+        )
+    _PREPARED[model] = layers
+    return layers
+
+
+def _tree_class(cls: type) -> type:
+    """Tree-aware subclass of a supported GDN class (or of a user subclass of one; built once per class)."""
+    if cls not in _TREE_CLASSES:
+        _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeGDNMixin, cls), {"__module__": __name__})
+    return _TREE_CLASSES[cls]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Commit
+# --------------------------------------------------------------------------------------------------------------
+def commit_hybrid_states(cache: Cache, ctx: HybridTreeContext, last: int) -> None:
+    """Make every GDN layer's cached conv window and recurrent state those after flattened input `last` (0 = the
+    root, `i + 1` = tree node `i`). Copies in place (`copy_`) when the cache already holds states."""
+    if not ctx.records:
+        raise ValueError("The `HybridTreeContext` holds no layer records: run the verify forward with it first.")
+    for layer_idx, record in ctx.records.items():  # validate everything before writing anything
+        layer = cache.layers[layer_idx]
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise ValueError(f"Cache layer {layer_idx} is a {type(layer).__name__}, not a linear-attention layer.")
+        if record.method == "chunk" and record.initial_version is not None:
+            if layer.recurrent_states[0]._version != record.initial_version:
+                raise ValueError(
+                    f"The recurrent state of layer {layer_idx} changed between the verify forward and the commit; "
+                    "commit right after verify_forward, with no other forward on this cache in between."
+                )
+    for layer_idx, record in ctx.records.items():
+        layer = cache.layers[layer_idx]
+        window = record.window[:, :, last]  # (B, C, K)
+        state = record.state(last)  # (B, HV, dk, dv)
+        if layer.has_previous_state[0]:
+            layer.conv_states[0].copy_(window)
+        else:  # empty prefix: let the cache allocate its (static-address) tensors
+            cache.update_conv_state(window.contiguous(), layer_idx, conv_kernel_size=window.shape[-1])
+        if layer.is_recurrent_states_initialized[0]:
+            layer.recurrent_states[0].copy_(state)
+        else:
+            cache.update_recurrent_state(state.contiguous(), layer_idx)
