@@ -325,6 +325,16 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         self.last_stats = None
         self.post_init()
 
+    is_chainflow_drafter = True  # `generate(assistant_model=...)` routes ChainFlow drafters by this flag
+
+    @property
+    def context_size(self) -> int:
+        return self.config.context_size
+
+    @property
+    def max_draft_depth(self) -> int:
+        return self.config.num_draft_positions
+
     # ------------------------------------------------------------------ binding the target
     def bind_target(self, target: PreTrainedModel) -> "ChainFlowDrafter":
         """Borrow `target`'s frozen `lm_head` and input embeddings (shared, not copied into the state dict).
@@ -355,6 +365,18 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         self._draft_head_cache = None
         self.shortlist_ids = self.shortlist_ids.to(out_emb.weight.device)
         return self
+
+    def check_target(self, target: PreTrainedModel) -> None:
+        """Raise a `ValueError` unless this drafter is bound to `target` itself."""
+        self._require_bound()
+        if self._bound["lm_head"] is not target.get_output_embeddings():
+            cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+            raise ValueError(
+                f"This drafter is bound to another target ({self._bound['target_config'].__class__.__name__}, "
+                f"fingerprint {self.config.target_fingerprint()}) than the one generating "
+                f"({type(target).__name__}, hidden_size={getattr(cfg, 'hidden_size', None)}, "
+                f"vocab_size={getattr(cfg, 'vocab_size', None)}). Call `drafter.bind_target(target)` first."
+            )
 
     @property
     def is_bound(self) -> bool:

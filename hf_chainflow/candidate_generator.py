@@ -1,0 +1,95 @@
+"""`ChainFlowCandidateGenerator`: chain drafting inside transformers' own assisted-decoding loop.
+
+transformers calls `get_candidates(input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)`
+before each verification forward.  The first call only lets the prefill run (it returns `input_ids` unchanged),
+as transformers' MTP and DFlash generators do.  Afterwards the target's last hidden states of the previous forward
+(`model_outputs.hidden_states[-1]`) are appended to a rolling buffer of the last `C` committed states:
+after prefill all prompt states are valid; after a verification round with `n` matches, the first `n + 1`
+(the previous bonus token and the accepted candidates).  The last token of `input_ids` is the new bonus token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .stats import SpeculativeStats
+
+
+class ChainFlowCandidateGenerator(CandidateGenerator):
+    """Chain candidates from a ChainFlow drafter (or any object with the same `draft` method).
+
+    Args:
+        drafter: a bound [`ChainFlowDrafter`] (or `hf_chainflow.testing.OracleDrafter`).
+        generation_config: the target's generation config for this call (`max_length`, `do_sample`,
+            `temperature`); the chain length is `drafter.generation_config.num_assistant_tokens`.
+    """
+
+    requires_model_outputs: bool = True
+    model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}
+
+    def __init__(self, drafter, generation_config, logits_processor=None, **kwargs):
+        self.drafter = drafter
+        dcfg = drafter.generation_config
+        self.num_tokens = int(dcfg.num_assistant_tokens)
+        self.num_flow_steps = getattr(dcfg, "num_flow_steps", None)
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 1.0
+        self.context_size = getattr(getattr(drafter, "config", None), "context_size", 8)
+        self.states = None  # (1, <=C, D) last committed target states
+        self.stats = SpeculativeStats(mode="chain", loop="transformers")
+        drafter.last_stats = self.stats
+        self._round_start = None
+        self._last_depth = 0
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        if is_first_iteration:
+            self._round_start = time.perf_counter()
+            return input_ids, None  # let the prefill run first
+        now = time.perf_counter()
+        if self.states is None:
+            self.stats.prefill_time += now - self._round_start
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("ChainFlow drafting needs the target's hidden states in `model_outputs`.")
+
+        # 1. Roll the buffer of committed states forward.
+        last = model_outputs.hidden_states[-1]  # (1, T, D) of the previous forward's inputs
+        new = last if self.states is None else last[:, : int(n_last_matches) + 1]
+        self.states = new if self.states is None else torch.cat([self.states, new], 1)
+        self.states = self.states[:, -self.context_size:]
+
+        # 2. Draft a chain, capped so that the verified length never passes `max_length`.
+        budget = min(self.num_tokens, self.max_length - input_ids.shape[1] - 1)
+        if budget <= 0:
+            return input_ids, None
+        start = time.perf_counter()
+        tree = self.drafter.draft(self.states, input_ids, mode="chain", num_tokens=budget,
+                                  num_flow_steps=self.num_flow_steps, do_sample=self.do_sample,
+                                  temperature=self.temperature)
+        self.stats.draft_time += time.perf_counter() - start
+        self._last_depth = budget
+        candidates = torch.cat([input_ids, tree.tokens.to(input_ids.device)[None]], 1)
+        logits = None
+        if self.do_sample:
+            logits = tree.draft_probs.log()[None]  # (1, n, V): softmax gives back q exactly
+        self._round_start = time.perf_counter()
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if self._round_start is None or self._last_depth == 0:
+            return
+        self.stats.verify_time += time.perf_counter() - self._round_start
+        self.stats.record_round(int(num_matches), self._last_depth)
+        self._last_depth = 0

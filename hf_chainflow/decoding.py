@@ -1,0 +1,181 @@
+"""hf_chainflow's own speculative decoding loop (tree drafts, hybrid targets, exact stopping).
+
+It is reached through `target.generate(..., assistant_model=drafter)` when the draft mode or the target needs it
+(see `hf_chainflow.integration`), or directly as transformers' `custom_generate` hook:
+
+    target.generate(**inputs, custom_generate=hf_chainflow.speculative_generate, drafter=drafter)
+
+transformers prepares inputs, the cache, logits processors and stopping criteria; the loop then runs:
+
+    1. prefill      the prompt in one forward -> first token (the root of round 1), committed states
+    2. draft        one drafter pass -> a chain or a tree
+    3. verify       one target forward over [root] + draft nodes (ancestor mask, depth positions)
+    4. accept       greedy path matching / speculative rejection sampling on processed logits
+    5. emit         accepted tokens + the target's bonus token, one at a time through the stopping criteria
+    6. compact      the cache keeps the committed prefix + accepted path; hybrid states of the last accepted node
+
+The per-round maths live in `hf_chainflow.verification`; this module only sequences them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .integration import draft_settings, needs_own_loop, validate_speculative_call
+from .stats import SpeculativeStats
+from .tree import DraftTree
+from .verification import Acceptance, accept_greedy, accept_sampling, commit, verify_forward
+
+
+def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the call's logits processors to one row `(V,)` given its full prefix `(L,)`."""
+    row = logits.float()[None]
+    if logits_processor is not None and len(logits_processor) > 0:
+        row = logits_processor(prefix[None], row)
+    return row[0]
+
+
+def _processed_rows(logits_processor, committed: torch.LongTensor, tree: DraftTree, logits: torch.Tensor):
+    """Processed logits `(n, V)` of root + nodes, each with its own prefix (committed + ancestor path)."""
+    if logits_processor is None or len(logits_processor) == 0:
+        return logits.float()
+    rows = [_process(logits_processor, committed, logits[0])]
+    for i in range(tree.num_nodes):
+        path = tree.tokens[tree.path_to(i)].to(committed.device)
+        rows.append(_process(logits_processor, torch.cat([committed, path]), logits[i + 1]))
+    return torch.stack(rows)
+
+
+def _empty_tree(device) -> DraftTree:
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return DraftTree(tokens=empty, parents=empty.clone(), depths=empty.clone(), logprobs=torch.zeros(0, device=device))
+
+
+@torch.no_grad()
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config: GenerationConfig | None = None,
+    drafter=None,
+    chainflow_streamer=None,
+    gdn_method: str = "chunk",
+    **model_kwargs,
+):
+    """Speculative generation with a ChainFlow drafter in hf_chainflow's own loop (batch size 1).
+
+    Args:
+        model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
+        drafter: a bound `ChainFlowDrafter` (or `OracleDrafter`); drafting settings come from
+            `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`,
+            `num_flow_steps`).
+        chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
+        gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
+
+    Returns the sequences `(1, L)`, or a `GenerateDecoderOnlyOutput` with `sequences` when
+    `return_dict_in_generate=True`.  Statistics are left in `drafter.last_stats`.
+    """
+    # 0. Inputs, checked up front.
+    if drafter is None:
+        raise ValueError("`speculative_generate` needs `drafter=` (a bound ChainFlowDrafter).")
+    generation_config = generation_config if generation_config is not None else model.generation_config
+    validate_speculative_call(model, drafter, generation_config, input_ids, model_kwargs, own_loop=True)
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("`attention_mask` has padded positions; speculative generation takes one unpadded prompt.")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is None:
+        raise ValueError("`speculative_generate` needs the cache that `generate` prepares (use_cache=True).")
+    settings = draft_settings(drafter)
+    do_sample = bool(generation_config.do_sample)
+    temperature = float(generation_config.temperature or 1.0) if do_sample else 1.0
+    max_length = generation_config.max_length
+    context_size = drafter.context_size
+    stats = SpeculativeStats(mode=settings["mode"], loop="chainflow")
+    drafter.last_stats = stats
+    streamer = chainflow_streamer
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    def choose(row: torch.Tensor) -> int:
+        if do_sample:
+            return int(torch.multinomial(torch.softmax(row, -1), 1))
+        return int(row.argmax())
+
+    def stop_now(ids: torch.LongTensor) -> bool:
+        return bool(stopping_criteria(ids, None).any()) if stopping_criteria is not None else ids.shape[1] >= max_length
+
+    # 1. Prefill.
+    start = time.perf_counter()
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    states = out.hidden_states[-1][:, -context_size:]  # (1, <=C, D)
+    first = choose(_process(logits_processor, input_ids[0], out.logits[0, -1]))
+    ids = torch.cat([input_ids, input_ids.new_tensor([[first]])], 1)
+    stats.prefill_time = time.perf_counter() - start
+    if streamer is not None:
+        streamer.put(ids[:, -1:].cpu())
+    done = stop_now(ids)
+
+    while not done:
+        # 2. Draft (never past max_length: a round adds accepted + 1 tokens).
+        start = time.perf_counter()
+        room = max_length - ids.shape[1] - 1
+        if room >= 1:
+            tree = drafter.draft(
+                states, ids, mode=settings["mode"], num_tokens=min(settings["num_tokens"], room),
+                tree_width=settings["tree_width"], tree_depth=min(settings["tree_depth"], room),
+                num_flow_steps=settings["num_flow_steps"], do_sample=do_sample, temperature=temperature,
+            )
+        else:
+            tree = _empty_tree(ids.device)
+        stats.draft_time += time.perf_counter() - start
+
+        # 3. Verify: one target forward over [root] + nodes.
+        start = time.perf_counter()
+        past_len = ids.shape[1] - 1
+        result = verify_forward(model, cache, ids[0, -1], tree, method=gdn_method)
+        rows = _processed_rows(logits_processor, ids[0], tree, result.logits)  # (n, V)
+
+        # 4. Accept.
+        if do_sample and tree.num_nodes:
+            acc = accept_sampling(tree, torch.softmax(rows, -1))
+        elif do_sample:
+            acc = Acceptance([], choose(rows[0]))
+        else:
+            acc = accept_greedy(tree, rows)
+
+        # 5. Emit accepted tokens and the bonus, one at a time through the stopping criteria.
+        new_tokens = [int(t) for t in tree.tokens[acc.nodes].tolist()] + [int(acc.bonus)]
+        emitted = 0
+        for token in new_tokens:
+            ids = torch.cat([ids, ids.new_tensor([[token]])], 1)
+            emitted += 1
+            if stop_now(ids):
+                done = True
+                break
+        if streamer is not None:
+            streamer.put(ids[:, -emitted:].cpu())
+
+        # 6. Compact the cache to prefix + root + accepted path; roll the committed states forward.
+        if not done:
+            commit(model, cache, past_len, acc.nodes, result.handle)
+            kept = result.hidden_states[[0] + [i + 1 for i in acc.nodes]][None]  # (1, m+1, D)
+            states = torch.cat([states, kept.to(states.dtype)], 1)[:, -context_size:]
+        stats.verify_time += time.perf_counter() - start
+        if tree.num_nodes:
+            stats.record_round(len(acc.nodes), int(tree.max_depth))
+
+    stats.new_tokens = ids.shape[1] - input_ids.shape[1]
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=ids, cache=cache)
+    return ids
+
+
+__all__ = ["speculative_generate", "needs_own_loop"]

@@ -1,0 +1,189 @@
+"""How `import hf_chainflow` hooks into `model.generate`, narrowly.
+
+transformers has no registry for third-party candidate generators.  Two class attributes of
+`transformers.GenerationMixin` are wrapped, and both wrappers return the original behaviour untouched unless
+`assistant_model` is a ChainFlow drafter (or `custom_generate` is `hf_chainflow.speculative_generate`):
+
+- `generate`: checks a ChainFlow call up front (one place, before anything changes), then either lets
+  transformers' assisted-decoding loop run (chain drafting on dense targets) or routes the call to
+  hf_chainflow's own loop through transformers' `custom_generate` hook (tree mode, hybrid/stateful targets,
+  stop strings and custom stopping criteria, which a multi-token commit in transformers' loop could overshoot).
+- `_get_candidate_generator`: returns a `ChainFlowCandidateGenerator` for a ChainFlow drafter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
+
+from .candidate_generator import ChainFlowCandidateGenerator
+
+_UNSUPPORTED_CACHES = ("static", "offloaded", "offloaded_static", "quantized", "sliding_window", "hybrid",
+                       "mamba", "hybrid_chunked")
+_SUPPORTED_ATTN = ("sdpa", "eager")
+
+
+def is_chainflow_drafter(obj) -> bool:
+    """True for objects that draft the ChainFlow way (`ChainFlowDrafter`, `OracleDrafter`)."""
+    return getattr(obj, "is_chainflow_drafter", False) is True
+
+
+def is_hybrid_target(model) -> bool:
+    """A target with recurrent (linear-attention / state-space) layers whose state cannot be cropped."""
+    return bool(getattr(model, "_is_stateful", False))
+
+
+def effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    """The generation config `generate` would use: the given or the model's, updated with matching kwargs."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    return config
+
+
+def draft_settings(drafter) -> dict:
+    """The drafting settings of `drafter.generation_config`, validated."""
+    g = drafter.generation_config
+    mode = getattr(g, "draft_mode", "chain")
+    if mode not in ("chain", "tree"):
+        raise ValueError(
+            f"`drafter.generation_config.draft_mode` must be 'chain' or 'tree', got {mode!r}."
+        )
+    settings = {
+        "mode": mode,
+        "num_tokens": g.num_assistant_tokens,
+        "tree_width": getattr(g, "tree_width", 8),
+        "tree_depth": getattr(g, "tree_depth", 4),
+        "num_flow_steps": getattr(g, "num_flow_steps", None),
+    }
+    max_depth = drafter.max_draft_depth
+    for name, value in (("num_assistant_tokens", settings["num_tokens"]), ("tree_depth", settings["tree_depth"]),
+                        ("tree_width", settings["tree_width"])):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`drafter.generation_config.{name}` must be a positive integer, got {value!r}.")
+    for name in ("num_tokens", "tree_depth"):
+        if settings[name] > max_depth:
+            label = "num_assistant_tokens" if name == "num_tokens" else "tree_depth"
+            raise ValueError(
+                f"`drafter.generation_config.{label}` is {settings[name]}, but this drafter predicts at most "
+                f"{max_depth} positions per pass. Use a value in [1, {max_depth}]."
+            )
+    return settings
+
+
+def validate_speculative_call(model, drafter, generation_config: GenerationConfig, input_ids, kwargs: dict,
+                              own_loop: bool) -> None:
+    """Every check of a ChainFlow `generate` call, before anything runs. Raises `ValueError`."""
+    drafter.check_target(model)
+    settings = draft_settings(drafter)
+    if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(
+            f"ChainFlow speculative generation supports batch size 1 (as transformers' assisted decoding does), "
+            f"got a batch of {input_ids.shape[0]}. Call `generate` once per prompt."
+        )
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            f"`num_beams` must be 1 with a ChainFlow drafter (speculative decoding is greedy or sampling), "
+            f"got {generation_config.num_beams}."
+        )
+    if generation_config.prompt_lookup_num_tokens is not None:
+        raise ValueError(
+            f"`prompt_lookup_num_tokens` ({generation_config.prompt_lookup_num_tokens}) cannot be combined with "
+            f"`assistant_model`: choose prompt lookup or the ChainFlow drafter."
+        )
+    if (generation_config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            f"`num_return_sequences` must be 1 with a ChainFlow drafter, got {generation_config.num_return_sequences}."
+        )
+    cache_impl = generation_config.cache_implementation
+    if cache_impl is not None and cache_impl in _UNSUPPORTED_CACHES:
+        raise ValueError(
+            f"`cache_implementation={cache_impl!r}` is not supported with a ChainFlow drafter: verification crops "
+            f"and gathers the cache. Use the default dynamic cache (leave `cache_implementation` unset)."
+        )
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and type(cache).__name__ != "DynamicCache" and not is_hybrid_target(model):
+        raise ValueError(
+            f"A ChainFlow drafter needs a `DynamicCache`, got {type(cache).__name__}. Pass no cache, or a "
+            f"`DynamicCache`."
+        )
+    if settings["mode"] == "tree" and generation_config.do_sample:
+        raise ValueError(
+            "Tree drafting is greedy-only (a lossless multi-draft sampling scheme is not implemented): set "
+            "`do_sample=False`, or `drafter.generation_config.draft_mode = 'chain'` to sample."
+        )
+    attn = model.config._attn_implementation
+    if own_loop and attn not in _SUPPORTED_ATTN:
+        raise ValueError(
+            f"Tree verification and hybrid targets need an attention implementation that takes a 4-D mask, one of "
+            f"{_SUPPORTED_ATTN}; the target uses {attn!r}. Load it with `attn_implementation='sdpa'`."
+        )
+    if own_loop:
+        for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            if getattr(generation_config, flag, False):
+                raise ValueError(
+                    f"`{flag}=True` is not supported by hf_chainflow's own speculative loop (tree mode, hybrid "
+                    f"targets, stop strings); `return_dict_in_generate=True` returns `sequences`."
+                )
+
+
+def needs_own_loop(model, drafter, generation_config: GenerationConfig, stopping_criteria) -> bool:
+    return (
+        draft_settings(drafter)["mode"] == "tree"
+        or is_hybrid_target(model)
+        or generation_config.stop_strings is not None
+        or bool(stopping_criteria)
+    )
+
+
+_original_generate = GenerationMixin.generate
+_original_get_candidate_generator = GenerationMixin._get_candidate_generator
+
+
+@functools.wraps(_original_generate)
+def _generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+              prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None,
+              negative_prompt_ids=None, negative_prompt_attention_mask=None, custom_generate=None, **kwargs):
+    from .decoding import speculative_generate
+
+    call = functools.partial(
+        _original_generate, self, inputs, generation_config, logits_processor, stopping_criteria,
+        prefix_allowed_tokens_fn, synced_gpus, negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
+    )
+    if custom_generate is speculative_generate:  # direct use of the loop: keep the streamer
+        return call(custom_generate=custom_generate, chainflow_streamer=streamer, **kwargs)
+    if not is_chainflow_drafter(assistant_model):
+        return call(assistant_model=assistant_model, streamer=streamer, custom_generate=custom_generate, **kwargs)
+    if custom_generate is not None:
+        raise ValueError("`custom_generate` cannot be combined with a ChainFlow `assistant_model`.")
+    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    config = effective_generation_config(self, generation_config, kwargs)
+    own = needs_own_loop(self, assistant_model, config, stopping_criteria)
+    validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
+    if own:
+        return call(custom_generate=speculative_generate, drafter=assistant_model, chainflow_streamer=streamer,
+                    **kwargs)
+    return call(assistant_model=assistant_model, streamer=streamer, **kwargs)
+
+
+@functools.wraps(_original_get_candidate_generator)
+def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                             assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+    if is_chainflow_drafter(assistant_model):
+        return ChainFlowCandidateGenerator(assistant_model, generation_config, logits_processor)
+    return _original_get_candidate_generator(
+        self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+        assistant_model=assistant_model, target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer,
+    )
+
+
+def install() -> None:
+    """Install the two narrow wrappers (idempotent)."""
+    if getattr(GenerationMixin.generate, "_chainflow", False):
+        return
+    _generate._chainflow = True
+    GenerationMixin.generate = _generate
+    GenerationMixin._get_candidate_generator = _get_candidate_generator

@@ -1,0 +1,70 @@
+"""Per-call speculative decoding statistics (`drafter.last_stats`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculativeStats:
+    """What one speculative `generate` call did.
+
+    Attributes:
+        mode: `"chain"` or `"tree"`; loop: `"transformers"` (assisted decoding) or `"chainflow"` (own loop).
+        accepted: accepted draft tokens per verification round (the bonus token not included).
+        drafted_depth: draft depth per round (chain length or tree depth).
+        draft_time / verify_time: seconds spent drafting / in target verification (+ acceptance, commit).
+        prefill_time: seconds of the prompt forward.
+    """
+
+    mode: str = "chain"
+    loop: str = "transformers"
+    accepted: list[int] = field(default_factory=list)
+    drafted_depth: list[int] = field(default_factory=list)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    prefill_time: float = 0.0
+    new_tokens: int = 0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target forward after prefill, bonus included."""
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def acceptance_per_depth(self) -> list[float]:
+        """`acc[d]`: fraction of rounds drafting depth > d whose draft was accepted to depth > d."""
+        depth = max(self.drafted_depth, default=0)
+        out = []
+        for d in range(depth):
+            tried = [a for a, n in zip(self.accepted, self.drafted_depth) if n > d]
+            out.append(sum(a > d for a in tried) / len(tried) if tried else 0.0)
+        return out
+
+    def record_round(self, accepted: int, depth: int) -> None:
+        self.accepted.append(int(accepted))
+        self.drafted_depth.append(int(depth))
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode, "loop": self.loop, "rounds": self.rounds, "tau": self.tau,
+            "accepted": list(self.accepted), "acceptance_per_depth": self.acceptance_per_depth(),
+            "draft_time": self.draft_time, "verify_time": self.verify_time, "prefill_time": self.prefill_time,
+            "new_tokens": self.new_tokens,
+        }
+
+
+class Timer:
+    """`with Timer() as t: ...; t.elapsed`"""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.elapsed = time.perf_counter() - self.start
+        return False
