@@ -68,3 +68,87 @@ def tiny_target(family: str = "llama", *, vocab_size: int = 256, hidden_size: in
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     return model.eval()
+
+
+class OracleDrafter:
+    """A test double usable wherever a ChainFlow drafter is: it proposes the target's own greedy continuation
+    (computed by running the target ahead) with a fraction `error_rate` of tokens corrupted.
+
+    - chain mode: the continuation, each token replaced by a random other token with probability `error_rate`;
+      with `do_sample=True` each token is drawn from `q = (1 - error_rate) * onehot(greedy) + error_rate * uniform`
+      and `q` is reported in `DraftTree.draft_probs` (so rejection sampling stays exact);
+    - tree mode: the (corrupted) true path hidden among random siblings, nodes shuffled within each level.
+
+    `draft` ignores the hidden states: it only needs the committed tokens.
+    """
+
+    is_chainflow_drafter = True
+    context_size = 1
+    max_draft_depth = 64
+
+    def __init__(self, target: PreTrainedModel, error_rate: float = 0.0, seed: int = 0):
+        if not 0.0 <= error_rate <= 1.0:
+            raise ValueError(f"`error_rate` must lie in [0, 1], got {error_rate!r}.")
+        from transformers import GenerationConfig
+
+        self.target = target
+        self.config = target.config
+        self.error_rate = float(error_rate)
+        self.vocab_size = target.config.get_text_config().vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.generation_config = GenerationConfig(num_assistant_tokens=3, num_assistant_tokens_schedule="constant",
+                                                  draft_mode="chain", tree_width=8, tree_depth=4)
+        self.last_stats = None
+
+    def check_target(self, target) -> None:
+        if target is not self.target:
+            raise ValueError("This OracleDrafter runs ahead with another target than the one generating.")
+
+    def _rand(self) -> float:
+        return float(torch.rand((), generator=self.generator))
+
+    def _other(self, token: int) -> int:
+        other = int(torch.randint(0, self.vocab_size - 1, (), generator=self.generator))
+        return other + (other >= token)
+
+    def _continuation(self, input_ids: torch.LongTensor, n: int) -> list[int]:
+        ids = input_ids.to(self.target.device)
+        with torch.no_grad():
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+    def draft(self, hidden_states, input_ids, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
+              num_flow_steps=None, do_sample=False, temperature=1.0):
+        from .tree import DraftTree
+
+        device = input_ids.device
+        depth = num_tokens if mode == "chain" else tree_depth
+        truth = self._continuation(input_ids, depth)
+        if mode == "chain" and do_sample:
+            q = torch.full((depth, self.vocab_size), self.error_rate / self.vocab_size)
+            q[torch.arange(depth), torch.tensor(truth)] += 1.0 - self.error_rate
+            tokens = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+            logp = q.gather(1, tokens[:, None])[:, 0].log()
+            return DraftTree.chain(tokens.to(device), logp.to(device), q.to(device))
+        path = [t if self._rand() >= self.error_rate else self._other(t) for t in truth]
+        if mode == "chain":
+            return DraftTree.chain(torch.tensor(path, device=device))
+        tokens, parents, depths = [], [], []
+        prev_level: list[int] = [-1]  # node indices of the previous level; the true one first
+        for d, token in enumerate(path):
+            width = tree_width
+            level_tokens = [token] + [int(torch.randint(0, self.vocab_size, (), generator=self.generator))
+                                      for _ in range(width - 1)]
+            level_parents = [prev_level[0]] + [prev_level[int(torch.randint(0, len(prev_level), (),
+                                                                             generator=self.generator))]
+                                                for _ in range(width - 1)]
+            order = torch.randperm(width, generator=self.generator).tolist()
+            base = len(tokens)
+            tokens += [level_tokens[i] for i in order]
+            parents += [level_parents[i] for i in order]
+            depths += [d + 1] * width
+            true_index = base + order.index(0)
+            prev_level = [true_index] + [base + j for j in range(width) if base + j != true_index]
+        return DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
+                         depths=torch.tensor(depths, device=device), logprobs=torch.zeros(len(tokens), device=device))
