@@ -1,0 +1,84 @@
+"""`hf-chainflow` command line. Each subcommand is one `add_<name>_parser` + one `run_<name>` function.
+
+    hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
+    hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model_and_tokenizer(target: str, dtype: torch.dtype = torch.float32):
+    """A known target name (see `hf_chainflow.targets.KNOWN_TARGETS`) or a local transformers model directory."""
+    from hf_chainflow.targets import KNOWN_TARGETS, load_target
+
+    if target in KNOWN_TARGETS:
+        return load_target(target, dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval(), AutoTokenizer.from_pretrained(target)
+
+
+# ---------------------------------------------------------------------------------------------------------- prepare
+
+def add_prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="Generate/take the target's greedy responses and cache its hidden states.",
+                       description="Resumable: rerun the same command to continue a killed run.")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
+    p.add_argument("--prompts", help="JSONL of prompts (id, domain, language, prompt[, turns])")
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--responses", help="JSONL of already-generated responses (id, prompt_ids, response_ids, ...); "
+                                       "without --prompts, these rows are the data set")
+    p.add_argument("--out", required=True, help="output directory (shards, manifest, shortlist)")
+    p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="generation dtype")
+    p.add_argument("--shard-size", type=int, default=128, help="sequences per shard")
+    p.add_argument("--max-batch-tokens", type=int, default=4096, help="padded tokens per hidden-state forward")
+    p.add_argument("--limit", type=int, help="use only the first N rows")
+    p.add_argument("--shuffle-seed", type=int, default=0, help="order of the sequences (shards mix domains)")
+    p.add_argument("--keep-order", action="store_true", help="keep the input order instead of shuffling")
+    p.add_argument("--max-shards", type=int, help="stop after this many new shards")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads")
+    p.set_defaults(func=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from hf_chainflow.data import prepare
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.prompts and not args.responses:
+        raise SystemExit("prepare: give --prompts, --responses, or both.")
+    model, tokenizer = load_model_and_tokenizer(args.target, torch.float32)
+    manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=args.responses,
+                       prompt_column=args.prompt_column, limit=args.limit, batch_size=args.batch_size,
+                       max_new_tokens=args.max_new_tokens, generation_dtype=DTYPES[args.dtype],
+                       shard_size=args.shard_size, max_batch_tokens=args.max_batch_tokens,
+                       shuffle_seed=None if args.keep_order else args.shuffle_seed, max_shards=args.max_shards)
+    print(f"{len(manifest['finished'])}/{manifest['num_shards']} shards finished in {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-chainflow", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_prepare_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,558 @@
+"""Drafter training data: the target's own greedy responses and its cached final hidden states.
+
+`prepare(...)` turns prompts into a directory of shards; `ChainFlowWindowDataset` reads training windows from it.
+
+Output directory
+----------------
+- `plan.json`: the ordered sequence ids (sequence `i` goes to shard `i // shard_size`); fixed by the first run.
+- `manifest.json`: settings, target facts (`hidden_size`, `vocab_size`, `eos_token_ids`, `pad_token_id`), the
+  `domains`/`languages` of the whole plan (sorted; window `domain` fields index into `domains`), and `finished`
+  (the finished shard numbers).
+- `shards/shard-00000.safetensors`, one per `shard_size` sequences, written atomically (temp file + rename):
+  `hidden (T, D) float16`, `tokens (T,) int64`, `offsets (N+1,) int64` (sequence `n` is rows
+  `offsets[n]:offsets[n+1]`), `response_start (N,) int64` (index of the first response token inside the
+  sequence's stored span); the safetensors metadata key `sequences` holds a JSON list with one record per sequence
+  (`id, domain, language, source, finish, prompt_len, response_len, length, response_start`).
+- `responses/shard-00000.jsonl`: responses generated here (same schema as the shared responses file).
+- `index.jsonl`: every finished sequence's record plus `shard` and `row` (its number inside the shard).
+- `shortlist.json`: sorted unique token ids of all finished responses, plus the EOS id(s).
+
+Stored span of a sequence (prompt `P` tokens, response `R` tokens): the last `prompt_tail` (16) prompt positions and
+all response positions, `tokens[j]` = token j of the span and `hidden[j]` = the target's final hidden state after
+consuming it (after the final norm, so `lm_head(hidden[j])` are the logits that predict `tokens[j+1]`).
+
+Windows (SPEC "Alignment"), inside one stored span `x[0..L-1]`, `h[0..L-1]`, anchor `t` (last context state;
+`x[t+1]` is the bonus token), `C` context states, `K` draft positions, `p` parents:
+- `context_states (C, D)` = `h[t-C+1..t]`, zero-left-padded; `context_mask (C,)` True where a state exists;
+- `target_states (K, D)` = `h[t+1..t+K]`; `target_tokens (K,)` = `x[t+2..t+K+1]`; `target_mask (K,)` True where
+  `x[t+1+i]` exists (draft position `i`, 1-based); masked entries are zero states and `pad_token_id`;
+- `prev_tokens (p-1+K,)` = `x[t+2-p..t+K]` (`pad_token_id` outside the span): the parents of draft position `i` are
+  `prev_tokens[i-1 : i-1+p]` = `x[t+i-p+1..t+i]`;
+- `domain` () int64: index into the manifest's `domains`.
+Anchors run from `response_start - 1` (last prompt state; the bonus is the first response token) to `L - 3` (the
+last anchor whose first draft position has a target token).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+FORMAT = "hf_chainflow.data/1"
+MANIFEST, PLAN, INDEX, SHORTLIST = "manifest.json", "plan.json", "index.jsonl", "shortlist.json"
+PROMPT_TAIL = 16
+
+__all__ = [
+    "prepare", "load_prompts", "load_responses", "chat_prompt_ids", "generate_responses", "final_hidden_states",
+    "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "ChainFlowWindowDataset", "collate",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+def _read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: str = "prompt",
+                 limit: int | None = None) -> list[dict]:
+    """Prompt rows from a JSONL file, a `datasets.Dataset` or any iterable of dicts.
+
+    Each row needs the prompt text in `prompt_column` (or a chat `turns` list of user strings, of which the first
+    is used, as in the shared responses file); `id`, `domain`, `language`, `source` are optional
+    (defaults: `row-<n>`, `"unknown"`, `"unknown"`, `""`).
+    """
+    rows = _read_jsonl(source) if isinstance(source, (str, os.PathLike)) else source
+    out = []
+    for n, row in enumerate(rows):
+        if limit is not None and n >= limit:
+            break
+        text = row.get(prompt_column)
+        if text is None and row.get("turns"):
+            text = row["turns"][0]
+        if not isinstance(text, str):
+            raise ValueError(f"Prompt row {n} (id {row.get('id')!r}) has no text in column {prompt_column!r} nor a "
+                             f"`turns` list; pass `prompt_column=` naming the column that holds the prompt.")
+        out.append({"id": str(row.get("id", f"row-{n}")), "domain": row.get("domain") or "unknown",
+                    "language": row.get("language") or "unknown", "source": row.get("source") or "",
+                    "prompt": text})
+    return out
+
+
+def load_responses(source: str | os.PathLike | Iterable[dict]) -> dict[str, dict]:
+    """Already-generated responses by id (rows with `id, prompt_ids, response_ids` and optionally `domain,
+    language, source, finish`), from a JSONL file or an iterable of dicts."""
+    rows = _read_jsonl(source) if isinstance(source, (str, os.PathLike)) else source
+    out = {}
+    for row in rows:
+        missing = {"id", "prompt_ids", "response_ids"} - set(row)
+        if missing:
+            raise ValueError(f"Response row {row.get('id')!r} lacks {sorted(missing)}; every response row needs "
+                             f"`id`, `prompt_ids` and `response_ids`.")
+        out[str(row["id"])] = row
+    return out
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of one user message through the tokenizer's chat template (default system prompt included),
+    ending with the assistant generation prompt."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return list(ids)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Target passes
+# ----------------------------------------------------------------------------------------------------------------
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos:
+        raise ValueError("Neither the model's generation_config nor the tokenizer names an EOS token id; set "
+                         "`model.generation_config.eos_token_id`.")
+    return eos
+
+
+def _pad_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> int:
+    for pad in (tokenizer.pad_token_id, model.generation_config.pad_token_id, model.config.pad_token_id):
+        if pad is not None:
+            return int(pad)
+    return eos[0]
+
+
+def _batches_by_length(lengths: Sequence[int], max_batch: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Indices sorted by length, cut into batches of at most `max_batch` rows and `max_tokens` padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur = [], []
+    for i in order:
+        longest = max([lengths[j] for j in cur] + [lengths[i]])
+        if cur and (len(cur) >= max_batch or (max_tokens is not None and longest * (len(cur) + 1) > max_tokens)):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def cut_response(new_tokens: Sequence[int], eos_ids: Sequence[int]) -> tuple[list[int], str]:
+    """Cut generated ids after the first EOS (kept); `finish` is "eos" or "length"."""
+    for k, tok in enumerate(new_tokens):
+        if tok in eos_ids:
+            return list(new_tokens[: k + 1]), "eos"
+    return list(new_tokens), "length"
+
+
+@torch.no_grad()
+def generate_responses(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, eos_token_ids: Sequence[int],
+                       pad_token_id: int, batch_size: int = 32, max_new_tokens: int = 256,
+                       progress: tqdm | None = None) -> list[tuple[list[int], str]]:
+    """Greedy responses `(response_ids, finish)` to tokenised prompts, in padded static batches bucketed by prompt
+    length (left padding). The model runs in whatever dtype it has."""
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids),
+                                  pad_token_id=pad_token_id)
+    results: list[Any] = [None] * len(prompts)
+    for batch in _batches_by_length([len(p) for p in prompts], batch_size):
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, P)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)  # (B, P + new)
+        for r, i in enumerate(batch):
+            results[i] = cut_response(out[r, width:].tolist(), eos_token_ids)
+        if progress is not None:
+            progress.update(len(batch))
+    return results
+
+
+@torch.no_grad()
+def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int]], *, pad_token_id: int,
+                        max_batch_tokens: int = 4096, max_batch: int = 32) -> list[torch.Tensor]:
+    """The target's last hidden state (after the final norm) at every position of each sequence, each `(L, D)`.
+
+    Sequences of similar length share a right-padded batch (right padding leaves a causal model's real positions
+    unchanged); the model runs in whatever dtype it has, without computing full-vocabulary logits.
+    """
+    results: list[Any] = [None] * len(sequences)
+    for batch in _batches_by_length([len(s) for s in sequences], max_batch, max_batch_tokens):
+        width = max(len(sequences[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, L)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):
+            ids[r, : len(sequences[i])] = torch.tensor(sequences[i])
+            mask[r, : len(sequences[i])] = 1
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        hidden = out.hidden_states[-1]  # (B, L, D)
+        for r, i in enumerate(batch):
+            results[i] = hidden[r, : len(sequences[i])].clone()
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prepare
+# ----------------------------------------------------------------------------------------------------------------
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def shard_path(out_dir: str | os.PathLike, shard: int) -> Path:
+    return Path(out_dir) / "shards" / f"shard-{shard:05d}.safetensors"
+
+
+def read_manifest(out_dir: str | os.PathLike) -> dict:
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"`{out_dir}` holds no {MANIFEST}; run `hf-chainflow prepare --out {out_dir}` first.")
+    return json.loads(path.read_text())
+
+
+def _shard_records(path: Path) -> list[dict]:
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["sequences"])
+
+
+def iter_sequences(out_dir: str | os.PathLike) -> Iterable[dict]:
+    """Yield each finished sequence as a dict: its record plus `tokens (L,)` and `hidden (L, D) float16`."""
+    for shard in read_manifest(out_dir)["finished"]:
+        path = shard_path(out_dir, shard)
+        with safe_open(str(path), framework="pt") as f:
+            records = json.loads(f.metadata()["sequences"])
+            offsets, tokens, hidden = f.get_tensor("offsets"), f.get_tensor("tokens"), f.get_slice("hidden")
+            for n, rec in enumerate(records):
+                a, b = int(offsets[n]), int(offsets[n + 1])
+                yield {**rec, "shard": shard, "row": n, "tokens": tokens[a:b], "hidden": hidden[a:b]}
+
+
+def compute_shortlist(out_dir: str | os.PathLike, manifest: dict | None = None) -> list[int]:
+    """Sorted unique token ids of all finished responses plus the EOS id(s) (finished per `manifest`, by default
+    the one on disk)."""
+    manifest = read_manifest(out_dir) if manifest is None else manifest
+    seen = set(manifest["eos_token_ids"])
+    for shard in manifest["finished"]:
+        with safe_open(str(shard_path(out_dir, shard)), framework="pt") as f:
+            tokens, offsets, starts = f.get_tensor("tokens"), f.get_tensor("offsets"), f.get_tensor("response_start")
+        for n in range(len(starts)):
+            seen.update(tokens[int(offsets[n]) + int(starts[n]): int(offsets[n + 1])].tolist())
+    return sorted(seen)
+
+
+def read_shortlist(out_dir: str | os.PathLike) -> list[int]:
+    """The vocabulary shortlist saved by `prepare` (for `ChainFlowConfig.shortlist`)."""
+    path = Path(out_dir) / SHORTLIST
+    if not path.is_file():
+        raise ValueError(f"`{out_dir}` holds no {SHORTLIST}; run `hf-chainflow prepare --out {out_dir}` first.")
+    return json.loads(path.read_text())["shortlist"]
+
+
+def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch.Tensor], prompt_tail: int) -> None:
+    """Keep the last `prompt_tail` prompt positions and all response positions of each sequence; write one shard."""
+    spans, toks, offsets, starts, records = [], [], [0], [], []
+    for row, h in zip(rows, hidden):
+        p_len, r_len = len(row["prompt_ids"]), len(row["response_ids"])
+        keep = min(prompt_tail, p_len)
+        span = h[p_len - keep:].to(torch.float16)  # (keep + R, D)
+        if not torch.isfinite(span).all():
+            raise ValueError(f"Sequence {row['id']!r}: hidden states overflow float16 (max |h| = "
+                             f"{h.abs().max().item():.3g}); this target cannot be cached in float16.")
+        spans.append(span)
+        toks.append(torch.tensor(row["prompt_ids"][p_len - keep:] + row["response_ids"], dtype=torch.long))
+        offsets.append(offsets[-1] + keep + r_len)
+        starts.append(keep)
+        records.append({"id": row["id"], "domain": row["domain"], "language": row["language"],
+                        "source": row.get("source", ""), "finish": row["finish"], "prompt_len": p_len,
+                        "response_len": r_len, "length": keep + r_len, "response_start": keep})
+    tensors = {"hidden": torch.cat(spans), "tokens": torch.cat(toks),
+               "offsets": torch.tensor(offsets, dtype=torch.long),
+               "response_start": torch.tensor(starts, dtype=torch.long)}
+    path = shard_path(out_dir, shard)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "sequences": json.dumps(records)})
+    os.replace(tmp, path)
+
+
+def _write_index_and_shortlist(out_dir: Path, manifest: dict) -> None:
+    lines = []
+    for shard in manifest["finished"]:
+        for n, rec in enumerate(_shard_records(shard_path(out_dir, shard))):
+            lines.append(json.dumps({**rec, "shard": shard, "row": n}))
+    _atomic_write_text(out_dir / INDEX, "".join(line + "\n" for line in lines))
+    _atomic_write_text(out_dir / SHORTLIST, json.dumps({"shortlist": compute_shortlist(out_dir, manifest)}))
+
+
+def _build_rows(tokenizer, prompts, responses, prompt_column: str) -> list[dict]:
+    """Rows with `prompt_ids`, and `response_ids`/`finish` where a supplied response covers them."""
+    responses = load_responses(responses) if responses is not None and not isinstance(responses, dict) else responses
+    responses = responses or {}
+    if prompts is None:
+        if not responses:
+            raise ValueError("`prompts` is None and no `responses` were given; pass prompts to generate from, or "
+                             "already-generated responses.")
+        rows = [{"id": k, "domain": r.get("domain") or "unknown", "language": r.get("language") or "unknown",
+                 "source": r.get("source", ""), "prompt_ids": list(r["prompt_ids"])} for k, r in responses.items()]
+    else:
+        rows = load_prompts(prompts, prompt_column=prompt_column)
+        for row in rows:
+            row["prompt_ids"] = chat_prompt_ids(tokenizer, row.pop("prompt"))
+            given = responses.get(row["id"])
+            if given is not None and list(given["prompt_ids"]) != row["prompt_ids"]:
+                raise ValueError(f"Supplied response {row['id']!r} was generated from different prompt ids than "
+                                 f"this tokenizer's chat template gives; the responses belong to another "
+                                 f"tokenizer or template: regenerate them or drop `responses`.")
+    ids = [r["id"] for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError("Prompt ids must be unique; found duplicates, e.g. "
+                         f"{next(i for i in ids if ids.count(i) > 1)!r}.")
+    for row in rows:
+        given = responses.get(row["id"])
+        if given is not None:
+            row["response_ids"] = list(given["response_ids"])
+            row["finish"] = given.get("finish") or "given"
+    return rows
+
+
+def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike, *,
+            prompts: str | os.PathLike | Iterable[dict] | None = None,
+            responses: str | os.PathLike | dict | None = None, prompt_column: str = "prompt",
+            limit: int | None = None, batch_size: int = 32, max_new_tokens: int = 256,
+            generation_dtype: torch.dtype = torch.bfloat16, shard_size: int = 128, prompt_tail: int = PROMPT_TAIL,
+            max_batch_tokens: int = 4096, shuffle_seed: int | None = 0, max_shards: int | None = None,
+            on_shard_done: Callable[[int], None] | None = None, progress: bool = True) -> dict:
+    """Generate (or take) the target's greedy responses and cache its hidden states in shards under `out_dir`.
+
+    Resumable: the first run fixes the plan (`plan.json`); a later run with the same inputs skips finished shards
+    (each shard is written atomically and then recorded in the manifest). `max_shards` stops after that many new
+    shards (e.g. to process part of the data now). Returns the manifest.
+
+    - `prompts`: JSONL path / `datasets.Dataset` / dicts (see `load_prompts`); `None` uses the `responses` rows.
+    - `responses`: already-generated responses (see `load_responses`); rows they cover are not generated.
+    - Generation runs greedy in `generation_dtype` (a copy of the model if its dtype differs); the hidden-state
+      pass runs in float32.
+    - `limit`: keep only the first `limit` rows (before shuffling).
+    - `shuffle_seed`: order the sequences randomly (so any prefix of the shards mixes domains); `None` keeps the
+      input order.
+    """
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("shard_size", shard_size),
+                        ("prompt_tail", prompt_tail), ("max_batch_tokens", max_batch_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    out_dir = Path(out_dir)
+    rows = _build_rows(tokenizer, prompts, responses, prompt_column)[:limit]
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(rows)
+    ids = [r["id"] for r in rows]
+    eos = _eos_ids(model, tokenizer)
+    pad = _pad_id(model, tokenizer, eos)
+    settings = {"shard_size": shard_size, "prompt_tail": prompt_tail, "max_new_tokens": max_new_tokens,
+                "generation_dtype": str(generation_dtype).removeprefix("torch."),
+                "hidden_size": model.config.get_text_config().hidden_size,
+                "vocab_size": model.config.get_text_config().vocab_size}
+    fingerprint = hashlib.sha256("\n".join(ids).encode()).hexdigest()
+
+    (out_dir / "shards").mkdir(parents=True, exist_ok=True)
+    if (out_dir / MANIFEST).is_file():
+        manifest = read_manifest(out_dir)
+        old = {k: manifest.get(k) for k in settings} | {"plan_sha256": manifest.get("plan_sha256")}
+        new = settings | {"plan_sha256": fingerprint}
+        if old != new:
+            diff = {k: (old[k], new[k]) for k in new if old[k] != new[k]}
+            raise ValueError(f"`{out_dir}` was prepared from other inputs or settings ({diff}, as (old, new)); "
+                             f"resume with the same inputs, or choose a new `out_dir`.")
+    else:
+        _atomic_write_text(out_dir / PLAN, json.dumps(ids))
+        manifest = {"format": FORMAT, **settings, "plan_sha256": fingerprint, "num_sequences": len(rows),
+                    "num_shards": (len(rows) + shard_size - 1) // shard_size, "eos_token_ids": eos,
+                    "pad_token_id": pad, "target": str(model.config.name_or_path),
+                    "model_type": model.config.model_type, "domains": sorted({r["domain"] for r in rows}),
+                    "languages": sorted({r["language"] for r in rows}), "finished": []}
+    # A shard whose rename completed just before a kill is finished too.
+    finished = set(manifest["finished"]) | {s for s in range(manifest["num_shards"]) if shard_path(out_dir, s).is_file()}
+    manifest["finished"] = sorted(finished)
+    _write_index_and_shortlist(out_dir, manifest)  # heals a run killed between a shard and its bookkeeping
+    _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
+
+    todo = [s for s in range(manifest["num_shards"]) if s not in finished][:max_shards]
+    hidden_model = model if model.dtype == torch.float32 else copy.deepcopy(model).to(torch.float32)
+    gen_model = None
+    done = sum(len(rows[s * shard_size:(s + 1) * shard_size]) for s in finished)
+    bar = tqdm(total=len(rows), initial=done, desc="prepare (sequences)", unit="seq", disable=not progress,
+               dynamic_ncols=True)
+    for shard in todo:
+        start = time.perf_counter()
+        part = rows[shard * shard_size:(shard + 1) * shard_size]
+        need = [r for r in part if "response_ids" not in r]
+        if need:
+            if gen_model is None:
+                gen_model = model if model.dtype == generation_dtype else copy.deepcopy(model).to(generation_dtype)
+            bar.set_postfix_str(f"shard {shard}: generating {len(need)}")
+            outs = generate_responses(gen_model.eval(), [r["prompt_ids"] for r in need], eos_token_ids=eos,
+                                      pad_token_id=pad, batch_size=batch_size, max_new_tokens=max_new_tokens)
+            for r, (resp, finish) in zip(need, outs):
+                r["response_ids"], r["finish"] = resp, finish
+            (out_dir / "responses").mkdir(exist_ok=True)
+            _atomic_write_text(out_dir / "responses" / f"shard-{shard:05d}.jsonl", "".join(
+                json.dumps({k: r[k] for k in ("id", "domain", "language", "source", "prompt_ids", "response_ids",
+                                              "finish")}) + "\n" for r in need))
+        bar.set_postfix_str(f"shard {shard}: hidden states")
+        hidden = final_hidden_states(hidden_model.eval(), [r["prompt_ids"] + r["response_ids"] for r in part],
+                                     pad_token_id=pad, max_batch_tokens=max_batch_tokens)
+        _write_shard(out_dir, shard, part, hidden, prompt_tail)
+        manifest["finished"] = sorted(set(manifest["finished"]) | {shard})
+        _write_index_and_shortlist(out_dir, manifest)
+        _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
+        elapsed = time.perf_counter() - start
+        states = sum(min(prompt_tail, len(r["prompt_ids"])) + len(r["response_ids"]) for r in part)
+        forwarded = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in part)
+        bar.update(len(part))
+        bar.write(f"shard {shard} done: {len(part)} seqs, {len(need)} generated, {states} stored states, "
+                  f"{forwarded} tokens forwarded, {elapsed:.1f} s, {states / elapsed:.1f} stored states/s, "
+                  f"{forwarded / elapsed:.1f} tokens/s; {len(manifest['finished'])}/{manifest['num_shards']} shards")
+        if on_shard_done is not None:
+            on_shard_done(shard)
+    bar.close()
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training windows
+# ----------------------------------------------------------------------------------------------------------------
+
+class ChainFlowWindowDataset(torch.utils.data.Dataset):
+    """Training windows (see the module docstring for the exact fields) over the finished shards of `data_dir`.
+
+    Hidden states stay on disk: each item reads its `C + K` rows through safetensors slices (memory-mapped), with
+    at most `max_open_shards` shard files open per process; token ids (small) are held in memory.
+
+    - `shards`: restrict to these shard numbers (e.g. a held-out split); `domains`: to these domain names.
+    - `max_windows`: keep a random subset of this many anchors (seeded by `seed`); `shuffle`: put the anchors in a
+      random (seeded) order, for readers without a shuffling sampler.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, *, context_len: int = 8, num_draft: int = 8,
+                 num_parents: int = 8, shards: Sequence[int] | None = None, domains: Sequence[str] | None = None,
+                 max_windows: int | None = None, shuffle: bool = False, seed: int = 0,
+                 max_open_shards: int = 8):
+        for name, value in (("context_len", context_len), ("num_draft", num_draft), ("num_parents", num_parents),
+                            ("max_open_shards", max_open_shards)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        self.data_dir = Path(data_dir)
+        manifest = read_manifest(data_dir)
+        self.C, self.K, self.p = context_len, num_draft, num_parents
+        self.hidden_size = manifest["hidden_size"]
+        self.pad_token_id = manifest["pad_token_id"]
+        self.domains = manifest["domains"]
+        finished = manifest["finished"]
+        if shards is not None:
+            missing = sorted(set(shards) - set(finished))
+            if missing:
+                raise ValueError(f"`shards` {missing} are not finished in `{data_dir}` (finished: {finished}).")
+            finished = sorted(set(shards))
+        if domains is not None and set(domains) - set(self.domains):
+            raise ValueError(f"`domains` {sorted(set(domains) - set(self.domains))} do not occur in `{data_dir}`; "
+                             f"known: {self.domains}.")
+        self.max_open_shards = max_open_shards
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        self.sequences: list[dict] = []  # record + shard + global start row + tokens
+        seq_ids, anchors = [], []
+        for shard in finished:
+            path = shard_path(data_dir, shard)
+            with safe_open(str(path), framework="pt") as f:
+                records = json.loads(f.metadata()["sequences"])
+                tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+            for n, rec in enumerate(records):
+                if domains is not None and rec["domain"] not in domains:
+                    continue
+                a, length, rs = int(offsets[n]), rec["length"], rec["response_start"]
+                first, last = rs - 1, length - 3
+                if last >= first:
+                    anchors.append(np.arange(first, last + 1, dtype=np.int32))
+                    seq_ids.append(np.full(last - first + 1, len(self.sequences), dtype=np.int32))
+                self.sequences.append({**rec, "shard": shard, "start": a, "tokens": tokens[a:a + length].clone(),
+                                       "domain_index": self.domains.index(rec["domain"])})
+        self.seq_of = np.concatenate(seq_ids) if seq_ids else np.zeros(0, np.int32)  # (W,)
+        self.anchor = np.concatenate(anchors) if anchors else np.zeros(0, np.int32)  # (W,)
+        rng = np.random.default_rng(seed)
+        if max_windows is not None and max_windows < len(self.anchor):
+            keep = np.sort(rng.choice(len(self.anchor), size=max_windows, replace=False))
+            self.seq_of, self.anchor = self.seq_of[keep], self.anchor[keep]
+        if shuffle:
+            perm = rng.permutation(len(self.anchor))
+            self.seq_of, self.anchor = self.seq_of[perm], self.anchor[perm]
+
+    def __len__(self) -> int:
+        return len(self.anchor)
+
+    def __getstate__(self):  # open file handles stay in their process
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
+    def _hidden(self, shard: int):
+        handle = self._open.pop(shard, None)
+        if handle is None:
+            handle = safe_open(str(shard_path(self.data_dir, shard)), framework="pt")
+            if len(self._open) >= self.max_open_shards:
+                self._open.popitem(last=False)
+        self._open[shard] = handle
+        return handle.get_slice("hidden")
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        seq = self.sequences[int(self.seq_of[k])]
+        t, length, C, K, p = int(self.anchor[k]), seq["length"], self.C, self.K, self.p
+        lo, hi = max(0, t - C + 1), min(length - 1, t + K)  # stored states needed: h[lo..hi]
+        rows = self._hidden(seq["shard"])[seq["start"] + lo: seq["start"] + hi + 1].float()  # (hi - lo + 1, D)
+        D = rows.shape[-1]
+
+        context = torch.zeros(C, D)  # (C, D)
+        n_ctx = t - lo + 1
+        context[C - n_ctx:] = rows[: n_ctx]
+        context_mask = torch.zeros(C, dtype=torch.bool)
+        context_mask[C - n_ctx:] = True
+
+        n_tgt = max(0, min(K, length - 2 - t))  # draft position i is valid iff x[t+1+i] exists
+        target_states = torch.zeros(K, D)  # (K, D)
+        target_states[:n_tgt] = rows[n_ctx: n_ctx + n_tgt]
+        target_tokens = torch.full((K,), self.pad_token_id, dtype=torch.long)
+        target_tokens[:n_tgt] = seq["tokens"][t + 2: t + 2 + n_tgt]
+        target_mask = torch.zeros(K, dtype=torch.bool)
+        target_mask[:n_tgt] = True
+
+        prev = torch.full((p - 1 + K,), self.pad_token_id, dtype=torch.long)  # x[t+2-p .. t+K]
+        a, b = max(0, t + 2 - p), min(length - 1, t + K)
+        prev[a - (t + 2 - p): b - (t + 2 - p) + 1] = seq["tokens"][a: b + 1]
+        return {"context_states": context, "context_mask": context_mask, "target_states": target_states,
+                "target_tokens": target_tokens, "target_mask": target_mask, "prev_tokens": prev,
+                "domain": torch.tensor(seq["domain_index"], dtype=torch.long)}
+
+
+def collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack window dicts into a batch: `context_states (B, C, D)`, `context_mask (B, C)`, `target_states
+    (B, K, D)`, `target_tokens (B, K)`, `target_mask (B, K)`, `prev_tokens (B, p-1+K)`, `domain (B,)`."""
+    if not items:
+        raise ValueError("`collate` got an empty list of windows.")
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
