@@ -405,6 +405,13 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
         start = time.perf_counter()
         part = rows[shard * shard_size:(shard + 1) * shard_size]
         need = [r for r in part if "response_ids" not in r]
+        generated_file = out_dir / "responses" / f"shard-{shard:05d}.jsonl"
+        if need and generated_file.is_file():  # generated before a kill, shard not yet written: reuse
+            earlier = load_responses(generated_file)
+            if all(r["id"] in earlier for r in need):
+                for r in need:
+                    r["response_ids"], r["finish"] = list(earlier[r["id"]]["response_ids"]), earlier[r["id"]]["finish"]
+                need = []
         if need:
             if gen_model is None:
                 gen_model = model if model.dtype == generation_dtype else copy.deepcopy(model).to(generation_dtype)
@@ -413,8 +420,8 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                                       pad_token_id=pad, batch_size=batch_size, max_new_tokens=max_new_tokens)
             for r, (resp, finish) in zip(need, outs):
                 r["response_ids"], r["finish"] = resp, finish
-            (out_dir / "responses").mkdir(exist_ok=True)
-            _atomic_write_text(out_dir / "responses" / f"shard-{shard:05d}.jsonl", "".join(
+            generated_file.parent.mkdir(exist_ok=True)
+            _atomic_write_text(generated_file, "".join(
                 json.dumps({k: r[k] for k in ("id", "domain", "language", "source", "prompt_ids", "response_ids",
                                               "finish")}) + "\n" for r in need))
         bar.set_postfix_str(f"shard {shard}: hidden states")

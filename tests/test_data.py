@@ -162,6 +162,27 @@ def test_killed_prepare_resumes_without_redoing_shards(tmp_path, model, tok):
                 shard_size=2, progress=False)
 
 
+def test_kill_between_generation_and_shard_reuses_generated_responses(tmp_path, model, tok, monkeypatch):
+    rows = _prompt_rows()[:3]
+    write_shard = data._write_shard
+
+    def dies(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "_write_shard", dies)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
+                shard_size=8, progress=False)
+    assert (tmp_path / "responses" / "shard-00000.jsonl").is_file() and read_manifest(tmp_path)["finished"] == []
+    calls = []
+    monkeypatch.setattr(data, "_write_shard", write_shard)
+    monkeypatch.setattr(data, "generate_responses", lambda *a, **k: calls.append(1))
+    prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
+            shard_size=8, progress=False)
+    assert calls == [] and read_manifest(tmp_path)["finished"] == [0]
+    assert all(s["response_len"] == NEW for s in iter_sequences(tmp_path))
+
+
 def test_supplied_responses_skip_generation(tmp_path, model, tok):
     rows = _prompt_rows()[:3]
     given = {"id": rows[0]["id"], "prompt_ids": data.chat_prompt_ids(tok, rows[0]["prompt"]),
