@@ -283,7 +283,8 @@ def _tree_forward(layer: nn.Module, hidden_states: torch.Tensor, cache: Cache | 
         version = None
     else:
         s0 = recurrent_state.float()  # no copy when already fp32; never written here
-        version = recurrent_state._version
+        # the chunk commit rebuilds from s0: guard it against later writes (inference tensors have no counter)
+        version = None if s0.is_inference() else s0._version
 
     anc = ctx.ancestors.to(query.device)
     record = _GDNRecord(window=window, ancestors=anc, method=ctx.method)
@@ -415,7 +416,7 @@ def commit_hybrid_states(cache: Cache, ctx: HybridTreeContext, last: int) -> Non
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             raise ValueError(f"Cache layer {layer_idx} is a {type(layer).__name__}, not a linear-attention layer.")
         if record.method == "chunk" and record.initial_version is not None:
-            if layer.recurrent_states[0]._version != record.initial_version:
+            if record.initial_state._version != record.initial_version:
                 raise ValueError(
                     f"The recurrent state of layer {layer_idx} changed between the verify forward and the commit; "
                     "commit right after verify_forward, with no other forward on this cache in between."

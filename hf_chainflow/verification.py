@@ -6,7 +6,7 @@ One round, given a target whose cache holds the committed prefix (`past_len` tok
     out = verify_forward(target, cache, root, tree)          # one forward over [root] + nodes; cache grows by N+1
     acc = accept_greedy(tree, out.logits)                     # or accept_sampling(tree, probs) for chains
     commit(target, cache, past_len, acc.nodes, out.handle)    # cache = prefix + root + accepted nodes
-    root = acc.bonus                                          # next round's root; emitted: tree.tokens[acc.nodes], bonus
+    root = acc.bonus                                          # next root; emitted: tree.tokens[acc.nodes] + [bonus]
 
 Public API
 ----------
@@ -345,7 +345,9 @@ def accept_sampling(
         raise ValueError("`tree.draft_probs` is None; rejection sampling needs the draft distribution q of each node.")
     n_nodes = tree.num_nodes
     if q_all.ndim != 2 or q_all.shape[0] != n_nodes:
-        raise ValueError(f"`tree.draft_probs` must have shape (num_nodes, V) = ({n_nodes}, V), got {tuple(q_all.shape)}.")
+        raise ValueError(
+            f"`tree.draft_probs` must have shape (num_nodes, V) = ({n_nodes}, V), got {tuple(q_all.shape)}."
+        )
     if callable(target_probs):
         probs_at = target_probs
     else:
