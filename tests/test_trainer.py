@@ -1,0 +1,184 @@
+"""ChainFlowTrainer on a tiny target and a tiny drafter: param groups, logged terms, saving, resuming, VAE stage."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.testing import tiny_target
+from hf_chainflow.trainer import (
+    ChainFlowTrainer,
+    ChainFlowTrainingArguments,
+    ReplayMixDataset,
+    adaptation_arguments,
+    warm_start,
+)
+
+from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
+
+TERMS = ("flow", "hid", "ce", "cov", "acc", "rec")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def windows(target):
+    return make_windows(target, greedy_sequences(target, num_seqs=2, length=24))  # 44 windows
+
+
+def new_drafter(target, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return ChainFlowDrafter(tiny_drafter_config(target, **overrides)).bind_target(target)
+
+
+def make_args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=8, max_steps=4, logging_steps=2,
+                save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0)
+    base.update(kw)
+    return ChainFlowTrainingArguments(**base)
+
+
+def test_defaults_follow_the_paper(tmp_path):
+    args = ChainFlowTrainingArguments(output_dir=str(tmp_path))
+    assert args.learning_rate == 5e-4 and args.lr_scheduler_type == "constant"
+    assert "adamw" in str(args.optim).lower() and args.remove_unused_columns is False
+    assert args.loss_weights == {"flow": 0.2, "hid": 0.25, "ce": 0.3, "cov": 0.3, "acc": 0.15, "rec": 0.5}
+    assert (args.acceptance_gamma, args.coverage_top_b, args.kl_beta, args.vae_lr_ratio) == (0.8, 8, 3e-5, 0.05)
+    with pytest.raises(ValueError, match="acceptance_gamma"):
+        ChainFlowTrainingArguments(output_dir=str(tmp_path), acceptance_gamma=0.0)
+    with pytest.raises(ValueError, match="loss_cov_weight"):
+        ChainFlowTrainingArguments(output_dir=str(tmp_path), loss_cov_weight=-1.0)
+
+
+def test_param_groups_give_the_vae_its_ratio_and_never_see_the_target(target, windows, tmp_path):
+    drafter = new_drafter(target)
+    trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path, learning_rate=1e-3), train_dataset=windows)
+    opt = trainer.create_optimizer()
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {"drafter": 1e-3, "drafter_no_decay": 1e-3, "vae": pytest.approx(5e-5),
+                   "vae_no_decay": pytest.approx(5e-5)}
+    in_opt = [p for g in opt.param_groups for p in g["params"]]
+    assert len(in_opt) == len({id(p) for p in in_opt}) == sum(1 for p in drafter.parameters() if p.requires_grad)
+    vae_ids = {id(p) for p in drafter.vae.parameters()}
+    for g in opt.param_groups:
+        assert all((id(p) in vae_ids) == g["name"].startswith("vae") for p in g["params"])
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert not target_ptrs & {p.data_ptr() for p in in_opt}
+    assert not any("lm_head" in n or "embed_tokens" in n for n, _ in drafter.named_parameters())
+
+
+def test_unbound_drafter_and_wrong_args_are_refused(target, windows, tmp_path):
+    with pytest.raises(ValueError, match="bind_target"):
+        ChainFlowTrainer(model=ChainFlowDrafter(tiny_drafter_config(target)), args=make_args(tmp_path))
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="ChainFlowTrainingArguments"):
+        ChainFlowTrainer(model=new_drafter(target), args=TrainingArguments(output_dir=str(tmp_path)))
+
+
+def test_train_logs_every_term_and_saves_only_the_drafter(target, windows, tmp_path):
+    drafter = new_drafter(target)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path / "run"), train_dataset=windows)
+    trainer.train()
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logs) == 2  # steps 2 and 4
+    for row in logs:
+        for term in TERMS:
+            assert torch.isfinite(torch.tensor(row[f"loss_{term}"]))
+        # the logged total is the weighted sum of the logged terms (both averaged over the same two steps)
+        weights = trainer.args.loss_weights
+        assert row["loss"] == pytest.approx(sum(weights[t] * row[f"loss_{t}"] for t in TERMS), rel=1e-3)
+    assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    assert all(torch.equal(target_before[k], v) for k, v in target.state_dict().items())
+
+    out = tmp_path / "saved"
+    trainer.save_model(str(out))
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        assert (out / name).is_file(), name
+    saved = load_file(str(out / "model.safetensors"))
+    assert not [k for k in saved if "lm_head" in k or "embed" in k]
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in drafter.parameters())  # no target
+    assert json.loads((out / "config.json").read_text())["model_type"] == "chainflow"
+    reloaded = ChainFlowDrafter.from_pretrained(str(out), target=target)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[k], v), k
+
+
+def test_resume_from_checkpoint_continues_the_same_run(target, windows, tmp_path):
+    full = new_drafter(target)
+    args = make_args(tmp_path / "a", max_steps=4, save_strategy="steps", save_steps=2, logging_steps=1)
+    ChainFlowTrainer(model=full, args=args, train_dataset=windows).train()
+    assert (tmp_path / "a" / "checkpoint-2" / "model.safetensors").is_file()
+    assert (tmp_path / "a" / "checkpoint-2" / "optimizer.pt").is_file()
+
+    resumed = new_drafter(target, seed=123)  # different init: everything must come from the checkpoint
+    args_b = make_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2, logging_steps=1)
+    trainer = ChainFlowTrainer(model=resumed, args=args_b, train_dataset=windows)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert trainer.state.global_step == 4
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r][-2:] == [3, 4]
+    for k, v in full.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_vae_pretraining_trains_only_the_vae_then_joint_training_runs(target, windows, tmp_path):
+    drafter = new_drafter(target)
+    args = make_args(tmp_path, vae_pretrain_steps=2, logging_steps=1, max_steps=1, learning_rate=2e-3)
+    trainer = ChainFlowTrainer(model=drafter, args=args, train_dataset=windows)
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    losses = trainer.pretrain_vae(num_steps=6)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    for n, p in drafter.named_parameters():
+        assert torch.equal(before[n], p) != n.startswith("vae."), n  # VAE moved, nothing else did
+    trainer.train()  # the stage already ran on this trainer: straight to the joint step
+    assert trainer.state.global_step == 1 and trainer.vae_pretrain_losses == losses
+
+    fresh = ChainFlowTrainer(model=new_drafter(target), args=args, train_dataset=windows)
+    fresh.train()  # a fresh run pre-trains first
+    assert len(fresh.vae_pretrain_losses) == 2 and fresh.state.global_step == 1
+
+
+def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_path):
+    drafter = new_drafter(target)
+    trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
+    batch = trainer.data_collator(windows[:2])
+    out = drafter(**{k: v for k, v in batch.items() if k != "domain"})
+    assert drafter.config.train_flow_steps == 3 and out.predicted_states.shape[1] == 3
+
+
+def test_replay_mix_fraction_and_determinism():
+    new, old = list(range(80)), [f"old{i}" for i in range(50)]
+    mix = ReplayMixDataset(new, old, replay_fraction=0.2, seed=1)
+    assert len(mix) == 100 and sum(mix.is_replay(i) for i in range(len(mix))) == 20
+    rows = [mix[i] for i in range(len(mix))]
+    assert rows[:80] == new and len(set(rows[80:])) == 20 and all(r in old for r in rows[80:])
+    assert rows == [ReplayMixDataset(new, old, 0.2, seed=1)[i] for i in range(100)]
+    assert len(ReplayMixDataset(new, old, 0.0)) == 80
+    with pytest.raises(ValueError, match="replay_fraction"):
+        ReplayMixDataset(new, old, 1.0)
+    with pytest.raises(ValueError, match="old"):
+        ReplayMixDataset(new, [], 0.2)
+
+
+def test_language_adaptation_helpers(target, tmp_path):
+    drafter = new_drafter(target)
+    drafter.save_pretrained(tmp_path / "en")
+    warm = warm_start(tmp_path / "en", target)
+    assert warm.is_bound and all(torch.equal(warm.state_dict()[k], v) for k, v in drafter.state_dict().items())
+    args = adaptation_arguments(str(tmp_path / "tr"), learning_rate=1.2e-4)
+    assert args.learning_rate == 1.2e-4 and args.num_train_epochs == 2.0
+    with pytest.warns(UserWarning, match="1e-4|0.0001"):
+        adaptation_arguments(str(tmp_path / "tr"), learning_rate=5e-4)
