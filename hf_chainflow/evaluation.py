@@ -1,0 +1,256 @@
+"""Offline acceptance length `tau` of a drafter on cached windows (no target forward needed).
+
+A window anchored at `t` (see `hf_chainflow.data`) holds exactly what the serving loop hands the drafter: the last
+`C` target states `h_{..t}` (`context_states`, `context_mask`) and the committed tokens up to the bonus token
+`x_{t+1}` (the first `p` entries of `prev_tokens`), plus the target's own next tokens `x*_{t+2..t+K+1}`
+(`target_tokens`, `target_mask`).  The drafter drafts `k` tokens; with greedy verification the target accepts the
+longest prefix equal to its own tokens and adds one token of its own, so
+
+    tau = 1 + (number of leading draft tokens equal to the target's tokens).
+
+A draft position past the end of the response (`target_mask` false) is never accepted.  Conditional acceptance
+`acc@i = P(position i accepted | positions < i accepted)` is counted over the windows whose positions `< i` were
+accepted and whose position `i` exists.  Trees (`tree=(W, D)`): the longest root-to-node path matching the true
+tokens is accepted.
+
+Two chain paths give the same drafts: `reference_chain` calls `drafter.draft` per window (the serving call); the
+default batched path (`draft_chains`) runs the same computation for a batch of windows at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Subset
+from tqdm.auto import tqdm
+from transformers import default_data_collator
+
+from .trainer import unwrap_drafter
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Drafting
+# ----------------------------------------------------------------------------------------------------------------
+def _committed(prev_tokens: torch.Tensor, p: int) -> torch.Tensor:
+    """Committed tokens `x_{t+2-p..t+1}` (the last is the bonus token) from a window's `prev_tokens`."""
+    return prev_tokens[..., :p]
+
+
+@torch.no_grad()
+def reference_chain(drafter, window: dict, num_tokens: int, num_flow_steps: int | None = None) -> torch.Tensor:
+    """The serving call on one window: `drafter.draft(states, committed, mode="chain")` -> draft tokens `(k,)`."""
+    states = window["context_states"][window["context_mask"].bool()][None]  # (1, T<=C, D): only existing states
+    committed = _committed(window["prev_tokens"], drafter.config.path_order)[None]  # (1, p)
+    tree = drafter.draft(states.to(drafter.device), committed.to(drafter.device), mode="chain",
+                         num_tokens=num_tokens, num_flow_steps=num_flow_steps)
+    return tree.tokens
+
+
+@torch.no_grad()
+def draft_chains(drafter, context_states: torch.Tensor, context_mask: torch.Tensor, committed: torch.Tensor,
+                 num_tokens: int, num_flow_steps: int | None = None) -> torch.Tensor:
+    """Greedy chains for a batch of windows, the same computation as `drafter.draft(..., mode="chain")`.
+
+    context_states `(B, C, D)`, context_mask `(B, C)`, committed `(B, p)` (last = bonus) -> tokens `(B, k)`.
+    The two-pass candidate head keeps, per window, the top `candidate_budget` rows by their best score over the
+    `K` positions; here the other rows are masked to `-inf`, which selects the same argmax.
+    """
+    drafter._check_draft_args("chain", num_tokens, 1, 1)
+    states = drafter.predict_states(context_states, context_mask, num_flow_steps)  # (B, K, D)
+    W = drafter.draft_head_weight()  # (S, D)
+    head = states @ W.T  # (B, K, S)
+    candidates = None
+    if W.shape[0] > drafter.config.candidate_budget:
+        rows = head.max(1).values.topk(drafter.config.candidate_budget, -1).indices  # (B, M)
+        candidates = torch.zeros(head.shape[0], W.shape[0], dtype=torch.bool, device=head.device)
+        candidates.scatter_(1, rows, True)  # (B, S)
+    beams, out = committed, []
+    for d in range(num_tokens):
+        logits = drafter.feedback_logits(states[:, d], beams, W, head_logits=head[:, d])  # (B, S)
+        if candidates is not None:
+            logits = logits.masked_fill(~candidates, float("-inf"))
+        token = drafter._draft_index_to_token(logits.float().argmax(-1))  # (B,) vocabulary ids
+        out.append(token)
+        beams = torch.cat([beams[:, 1:], token[:, None]], 1)
+    return torch.stack(out, 1)  # (B, k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Acceptance accounting
+# ----------------------------------------------------------------------------------------------------------------
+def accepted_lengths(drafts: torch.Tensor, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Leading draft tokens equal to the target's: drafts `(B, k)`, target tokens/mask `(B, >=k)` -> `(B,)`."""
+    k = drafts.shape[1]
+    match = (drafts == target_tokens[:, :k]) & target_mask[:, :k].bool()  # (B, k)
+    return match.long().cumprod(1).sum(1)
+
+
+def tree_accepted_length(tree, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> int:
+    """Depth of the longest root-to-node path of `tree` (a `DraftTree`) whose tokens equal the target's."""
+    node, depth = -1, 0
+    for d in range(tree.max_depth):
+        if d >= target_tokens.shape[0] or not bool(target_mask[d]):
+            break
+        hit = ((tree.parents == node) & (tree.tokens == target_tokens[d])).nonzero()
+        if hit.numel() == 0:
+            break
+        node, depth = int(hit[0, 0]), depth + 1
+    return depth
+
+
+def summarize(accepted: np.ndarray, valid: np.ndarray, num_tokens: int) -> dict:
+    """`tau` and conditional acceptance from accepted lengths `(n,)` and position validity `(n, k)`."""
+    n = len(accepted)
+    reached = [int(((accepted >= i - 1) & valid[:, i - 1]).sum()) for i in range(1, num_tokens + 1)]
+    passed = [int((accepted >= i).sum()) for i in range(1, num_tokens + 1)]
+    return {
+        "num_windows": n,
+        "tau": float(1 + accepted.mean()) if n else float("nan"),
+        "acceptance": [p / r if r else float("nan") for p, r in zip(passed, reached)],  # acc@1..k
+        "accepted_counts": passed,
+        "reached_counts": reached,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The evaluation
+# ----------------------------------------------------------------------------------------------------------------
+def _subset(dataset, max_windows: int | None, seed: int):
+    if max_windows is None or max_windows >= len(dataset):
+        return dataset
+    if not isinstance(max_windows, int) or max_windows < 1:
+        raise ValueError(f"`max_windows` must be a positive integer or None, got {max_windows!r}.")
+    keep = np.sort(np.random.default_rng(seed).choice(len(dataset), size=max_windows, replace=False))
+    return Subset(dataset, keep.tolist())
+
+
+def _domain_names(dataset) -> list[str] | None:
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    return getattr(base, "domains", None)
+
+
+@torch.no_grad()
+def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int = 64, max_windows: int | None = None,
+                     tree: tuple[int, int] | None = None, max_tree_windows: int | None = 512,
+                     num_flow_steps: int | None = None, batched: bool = True, output_dir: str | os.PathLike | None = None,
+                     seed: int = 0, progress: bool = True) -> dict:
+    """Offline `tau` of `drafter` (bound to its target) on the windows of `dataset`.
+
+    Args:
+        drafter: a bound `ChainFlowDrafter` (or a peft model around one).
+        dataset: window dicts (`hf_chainflow.data.ChainFlowWindowDataset` or any sequence of them); an optional
+            `domain` index names a domain of `dataset.domains`.
+        num_tokens: chain length `k` (the serving `num_assistant_tokens`).
+        max_windows: evaluate a seeded random subset of this many windows.
+        tree: `(width, depth)` to also measure tree drafting (per window, on at most `max_tree_windows` of them).
+        batched: use `draft_chains` (fast) rather than one `drafter.draft` call per window (the serving call).
+        output_dir: where to write `offline_eval.json` and `acceptance.png`.
+
+    Returns a dict: `tau`, `acceptance` (acc@1..k), counts, `per_domain` (the same per domain name), `tree` (if
+    asked), `settings`.
+    """
+    model = drafter
+    drafter = unwrap_drafter(model)
+    drafter._require_bound()
+    drafter._check_draft_args("chain", num_tokens, 1, 1)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if tree is not None:
+        width, depth = tree
+        drafter._check_draft_args("tree", 1, width, depth)
+    data = _subset(dataset, max_windows, seed)
+    names = _domain_names(dataset)
+    if len(data) == 0:
+        raise ValueError("`dataset` holds no windows to evaluate.")
+    was_training = model.training
+    model.eval()
+    p, device = drafter.config.path_order, drafter.device
+    accepted, valid, domains = [], [], []
+    loader = DataLoader(data, batch_size=batch_size if batched else 1, collate_fn=default_data_collator)
+    for batch in tqdm(loader, desc="offline tau", disable=not progress, unit="batch"):
+        if batched:
+            drafts = draft_chains(drafter, batch["context_states"].to(device), batch["context_mask"].to(device),
+                                  _committed(batch["prev_tokens"], p).to(device), num_tokens, num_flow_steps).cpu()
+        else:
+            drafts = reference_chain(drafter, {k: v[0] for k, v in batch.items()}, num_tokens, num_flow_steps)
+            drafts = drafts.cpu()[None]
+        accepted.append(accepted_lengths(drafts, batch["target_tokens"], batch["target_mask"]))
+        valid.append(batch["target_mask"][:, :num_tokens].bool())
+        domains.append(batch["domain"] if "domain" in batch else torch.full((drafts.shape[0],), -1))
+    accepted = torch.cat(accepted).numpy()
+    valid = torch.cat(valid).numpy()
+    domains = torch.cat(domains).numpy()
+
+    def label(d: int) -> str:
+        return "all" if d < 0 else names[d] if names is not None and d < len(names) else str(d)
+
+    result = {"settings": {"num_tokens": num_tokens, "num_flow_steps": num_flow_steps or drafter.config.num_flow_steps,
+                           "max_windows": max_windows, "batched": batched, "seed": seed}}
+    result.update(summarize(accepted, valid, num_tokens))
+    result["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], num_tokens)
+                            for d in sorted(set(domains.tolist()))}
+    if tree is not None:
+        result["tree"] = _evaluate_tree(drafter, data, width, depth, max_tree_windows, num_flow_steps, seed,
+                                        label, progress)
+    model.train(was_training)
+    if output_dir is not None:
+        write_report(result, output_dir)
+    return result
+
+
+def _evaluate_tree(drafter, data, width, depth, max_windows, num_flow_steps, seed, label, progress) -> dict:
+    """Per-window tree drafting (`drafter.draft(mode="tree")`) and longest matching path."""
+    data = _subset(data, max_windows, seed)
+    p = drafter.config.path_order
+    accepted, valid, domains = [], [], []
+    for i in tqdm(range(len(data)), desc=f"offline tau (tree {width}x{depth})", disable=not progress):
+        w = data[i]
+        states = w["context_states"][w["context_mask"].bool()][None].to(drafter.device)
+        tree = drafter.draft(states, _committed(w["prev_tokens"], p)[None].to(drafter.device), mode="tree",
+                             tree_width=width, tree_depth=depth, num_flow_steps=num_flow_steps)
+        accepted.append(tree_accepted_length(tree, w["target_tokens"].to(tree.tokens.device), w["target_mask"]))
+        valid.append(w["target_mask"][:depth].bool().numpy())
+        domains.append(int(w["domain"]) if "domain" in w else -1)
+    accepted, valid, domains = np.array(accepted), np.stack(valid), np.array(domains)
+    out = {"shape": [width, depth], **summarize(accepted, valid, depth)}
+    out["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], depth)
+                         for d in sorted(set(domains.tolist()))}
+    return out
+
+
+def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Path]:
+    """Write `offline_eval.json` and `acceptance.png` (conditional acceptance per position, per domain)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "offline_eval.json", out / "acceptance.png"
+    json_path.write_text(json.dumps(result, indent=1))
+    k = len(result["acceptance"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    positions = np.arange(1, k + 1)
+    for name, stats in result["per_domain"].items():
+        ax.plot(positions, stats["acceptance"], marker="o", alpha=0.6, label=f"{name} (tau {stats['tau']:.2f})")
+    ax.plot(positions, result["acceptance"], marker="s", color="black", linewidth=2.5,
+            label=f"all (tau {result['tau']:.2f})")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("acc@i = P(i accepted | < i accepted)")
+    ax.set_xticks(positions)
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Offline acceptance, chain k={k}, {result['num_windows']} windows")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return json_path, png_path
+
+
+__all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "reference_chain", "summarize",
+           "tree_accepted_length", "write_report"]

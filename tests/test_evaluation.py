@@ -1,0 +1,110 @@
+"""Offline acceptance: accounting by hand, batched chains == the serving call, tree acceptance, report files."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hf_chainflow import ChainFlowDrafter, DraftTree
+from hf_chainflow.evaluation import (
+    accepted_lengths,
+    draft_chains,
+    evaluate_offline,
+    reference_chain,
+    summarize,
+    tree_accepted_length,
+)
+from hf_chainflow.testing import tiny_target
+
+from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+def test_accepted_lengths_and_conditional_acceptance_by_hand():
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7], [5, 6, 7]])
+    targets = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 0], [5, 6, 7, 0], [5, 6, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]]).bool()
+    acc = accepted_lengths(drafts, targets, mask)
+    assert acc.tolist() == [3, 1, 0, 2]  # last window: position 3 lies past the response end
+    s = summarize(acc.numpy(), mask[:, :3].numpy(), 3)
+    assert s["tau"] == pytest.approx(1 + 6 / 4)
+    # acc@1 = 3/4; acc@2: 3 reached, 2 passed; acc@3: 2 reached position 3 but one of them has no position 3
+    assert s["acceptance"] == pytest.approx([3 / 4, 2 / 3, 1 / 1])
+    assert s["reached_counts"] == [4, 3, 1] and s["accepted_counts"] == [3, 2, 1]
+
+
+def test_tree_accepts_the_longest_matching_root_path():
+    #        root
+    #      /      \
+    #   0:a(5)   1:b(6)
+    #    |         |
+    #  2:(7)     3:(8)
+    #              |
+    #            4:(9)
+    tree = DraftTree(tokens=torch.tensor([5, 6, 7, 8, 9]), parents=torch.tensor([-1, -1, 0, 1, 3]),
+                     depths=torch.tensor([1, 1, 2, 2, 3]), logprobs=torch.zeros(5))
+    ones = torch.ones(4, dtype=torch.bool)
+    assert tree_accepted_length(tree, torch.tensor([6, 8, 9, 1]), ones) == 3
+    assert tree_accepted_length(tree, torch.tensor([6, 8, 9, 1]), torch.tensor([1, 1, 0, 0]).bool()) == 2
+    assert tree_accepted_length(tree, torch.tensor([5, 8, 9, 1]), ones) == 1  # 8 hangs under 6, not under 5
+    assert tree_accepted_length(tree, torch.tensor([7, 5, 6, 7]), ones) == 0
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("llama", num_layers=2)
+    windows = make_windows(target, greedy_sequences(target, num_seqs=2, length=20, seed=3))
+    torch.manual_seed(0)
+    drafter = ChainFlowDrafter(tiny_drafter_config(target)).bind_target(target).eval()
+    with torch.no_grad():  # the feedback heads start at zero: give them weight so every term of Eq. 3 matters
+        drafter.path_head.out.weight.normal_(std=0.5)
+        drafter.markov_head.u2.normal_(std=0.5)
+    return target, windows, drafter
+
+
+@pytest.mark.parametrize("budget", [8192, 24])  # every row a candidate; a real two-pass candidate set
+def test_batched_chains_equal_the_serving_call(setup, budget):
+    target, windows, drafter = setup
+    drafter.config.candidate_budget = budget
+    batch = {k: torch.stack([w[k] for w in windows]) for k in windows[0]}
+    batched = draft_chains(drafter, batch["context_states"], batch["context_mask"], batch["prev_tokens"][:, :8], 4)
+    reference = torch.stack([reference_chain(drafter, w, 4) for w in windows])
+    assert batched.shape == (len(windows), 4)
+    assert torch.equal(batched, reference)
+    assert len(set(map(tuple, batched.tolist()))) > 5  # the chains actually differ between windows
+    drafter.config.candidate_budget = 8192
+
+
+def test_evaluate_offline_reports_and_paths_agree(setup, tmp_path):
+    target, windows, drafter = setup
+    fast = evaluate_offline(drafter, windows, num_tokens=3, batch_size=16, tree=(4, 3), output_dir=tmp_path,
+                            progress=False)
+    slow = evaluate_offline(drafter, windows, num_tokens=3, batched=False, progress=False)
+    assert fast["tau"] == slow["tau"] and fast["acceptance"] == pytest.approx(slow["acceptance"], nan_ok=True)
+    assert fast["num_windows"] == len(windows) and set(fast["per_domain"]) == {"0", "1"}
+    assert sum(d["num_windows"] for d in fast["per_domain"].values()) == len(windows)
+    assert 1.0 <= fast["tau"] <= 4.0 and fast["tree"]["shape"] == [4, 3] and 1.0 <= fast["tree"]["tau"] <= 4.0
+    saved = json.loads((tmp_path / "offline_eval.json").read_text())
+    assert saved["tau"] == fast["tau"]
+    assert (tmp_path / "acceptance.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="num_assistant_tokens"):
+        evaluate_offline(drafter, windows, num_tokens=9, progress=False)
+
+
+def test_a_drafter_that_copies_the_truth_reaches_full_acceptance(setup, monkeypatch):
+    """The accounting end to end: drafts equal to the target's tokens give tau = 1 + k (where positions exist)."""
+    target, windows, drafter = setup
+    import hf_chainflow.evaluation as ev
+
+    truth = iter([torch.stack([w["target_tokens"][:3] for w in windows])])
+    monkeypatch.setattr(ev, "draft_chains", lambda *a, **k: next(truth))
+    out = evaluate_offline(drafter, windows, num_tokens=3, batch_size=len(windows), progress=False)
+    valid = np.stack([w["target_mask"][:3].numpy() for w in windows])
+    assert out["tau"] == pytest.approx(1 + valid.sum(1).mean())
+    assert out["acceptance"] == [1.0, 1.0, 1.0]
