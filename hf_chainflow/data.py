@@ -144,9 +144,8 @@ def _batches_by_length(lengths: Sequence[int], max_batch: int, max_tokens: int |
     """Indices sorted by length, cut into batches of at most `max_batch` rows and `max_tokens` padded tokens."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, cur = [], []
-    for i in order:
-        longest = max([lengths[j] for j in cur] + [lengths[i]])
-        if cur and (len(cur) >= max_batch or (max_tokens is not None and longest * (len(cur) + 1) > max_tokens)):
+    for i in order:  # ascending, so row i is the longest of the batch it joins
+        if cur and (len(cur) >= max_batch or (max_tokens is not None and lengths[i] * (len(cur) + 1) > max_tokens)):
             batches.append(cur)
             cur = []
         cur.append(i)
