@@ -293,6 +293,10 @@ class ChainFlowPreTrainedModel(PreTrainedModel):
             nn.init.zeros_(module.out.bias)
         if isinstance(module, ChainFlowMarkovHead):
             nn.init.zeros_(module.u2)
+        if isinstance(module, ChainFlowDrafter) and module.config.shortlist is not None:
+            # Non-persistent buffer: `from_pretrained` builds the model on the meta device and leaves such buffers
+            # uninitialised unless `_init_weights` sets them (garbage ids otherwise).
+            module.shortlist_ids.copy_(torch.tensor(module.config.shortlist, dtype=torch.long))
 
 
 class ChainFlowDrafter(ChainFlowPreTrainedModel):

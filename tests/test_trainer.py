@@ -182,3 +182,12 @@ def test_language_adaptation_helpers(target, tmp_path):
     assert args.learning_rate == 1.2e-4 and args.num_train_epochs == 2.0
     with pytest.warns(UserWarning, match="1e-4|0.0001"):
         adaptation_arguments(str(tmp_path / "tr"), learning_rate=5e-4)
+
+
+def test_reloaded_drafter_keeps_its_shortlist(target, tmp_path):
+    """Regression: `from_pretrained` left the non-persistent `shortlist_ids` buffer uninitialised (garbage ids)."""
+    drafter = new_drafter(target, shortlist=[2, 5, 7, 11, 200])
+    drafter.save_pretrained(tmp_path)
+    reloaded = ChainFlowDrafter.from_pretrained(str(tmp_path), target=target)
+    assert reloaded.shortlist_ids.tolist() == [2, 5, 7, 11, 200]
+    assert torch.equal(reloaded.draft_head_weight(), target.lm_head.weight[[2, 5, 7, 11, 200]])
