@@ -2,6 +2,8 @@
 
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
+    hf-chainflow train --data DIR --out DRAFTER                    # train a drafter (see cli_train.py)
+    hf-chainflow eval-offline --drafter DRAFTER --data DIR         # offline acceptance length tau
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 import sys
 
 import torch
+
+from hf_chainflow.cli_train import add_eval_offline_parser, add_train_parser
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-chainflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_prepare_parser(sub)
+    add_train_parser(sub)
+    add_eval_offline_parser(sub)
     return parser
 
 

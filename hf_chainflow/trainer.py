@@ -200,20 +200,22 @@ class ChainFlowTrainer(Trainer):
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
         lr = self.args.learning_rate
-        groups = {}
+        groups = {key: None for key in ("drafter", "drafter_no_decay", "vae", "vae_no_decay")}  # drafter first: the
+        # Trainer logs the first group's learning rate
         for name, param in opt_model.named_parameters():
             if not param.requires_grad:
                 continue
             vae = _is_vae_parameter(name)
             key = ("vae" if vae else "drafter") + ("" if name in decay else "_no_decay")
-            group = groups.setdefault(key, {"params": [], "name": key, "lr": lr * (self.args.vae_lr_ratio if vae else 1),
-                                            "weight_decay": self.args.weight_decay if name in decay else 0.0})
-            group["params"].append(param)
+            if groups[key] is None:
+                groups[key] = {"params": [], "name": key, "lr": lr * (self.args.vae_lr_ratio if vae else 1),
+                               "weight_decay": self.args.weight_decay if name in decay else 0.0}
+            groups[key]["params"].append(param)
         if self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        self.optimizer = optimizer_cls(list(groups.values()), **optimizer_kwargs)
+        self.optimizer = optimizer_cls([g for g in groups.values() if g is not None], **optimizer_kwargs)
         return self.optimizer
 
     # ------------------------------------------------------------------ VAE pre-training

@@ -66,6 +66,7 @@ def test_param_groups_give_the_vae_its_ratio_and_never_see_the_target(target, wi
     trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path, learning_rate=1e-3), train_dataset=windows)
     opt = trainer.create_optimizer()
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert opt.param_groups[0]["name"] == "drafter"  # the group whose lr the Trainer logs
     assert lrs == {"drafter": 1e-3, "drafter_no_decay": 1e-3, "vae": pytest.approx(5e-5),
                    "vae_no_decay": pytest.approx(5e-5)}
     in_opt = [p for g in opt.param_groups for p in g["params"]]
@@ -99,6 +100,7 @@ def test_train_logs_every_term_and_saves_only_the_drafter(target, windows, tmp_p
         for term in TERMS:
             assert torch.isfinite(torch.tensor(row[f"loss_{term}"]))
         # the logged total is the weighted sum of the logged terms (both averaged over the same two steps)
+        assert row["learning_rate"] == pytest.approx(5e-4)  # the drafter's, not the VAE's 1/20
         weights = trainer.args.loss_weights
         assert row["loss"] == pytest.approx(sum(weights[t] * row[f"loss_{t}"] for t in TERMS), rel=1e-3)
     assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())

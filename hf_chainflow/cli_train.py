@@ -1,0 +1,258 @@
+"""`hf-chainflow train` and `hf-chainflow eval-offline` (registered in `hf_chainflow.cli`).
+
+    hf-chainflow train --target smollm2-135m-instruct --data DATA_DIR --out DRAFTER_DIR [--config train.yaml]
+    hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_DRAFTER --lr 1.2e-4 --replay EN_DATA
+    hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_ADAPTER --lora tr
+    hf-chainflow eval-offline --drafter DRAFTER_DIR --data HELD_OUT_DIR --out REPORT_DIR [--tree 8x4]
+
+`--config` reads a YAML mapping whose keys are the long option names (with `_` or `-`); options given on the
+command line win over the file.  Two keys take mappings: `drafter` (ChainFlowConfig fields for a fresh drafter) and
+`training_args` (any `ChainFlowTrainingArguments` field, e.g. the loss weights); on the command line they are the
+repeatable `--drafter-arg KEY=VALUE` and `--training-arg KEY=VALUE` (values parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# Built-in defaults of `train`; the parser's defaults are None so that a YAML value can fill any option not given.
+TRAIN_DEFAULTS = {
+    "target": "smollm2-135m-instruct", "data": None, "out": None, "init_from": None, "lora": None, "lora_rank": 8,
+    "epochs": 15.0, "max_steps": -1, "batch_size": 64, "lr": 5e-4, "grad_accum": 1, "seed": 0,
+    "logging_steps": 50, "save_steps": 500, "save_total_limit": 2, "vae_pretrain_steps": 0, "vae_lr_ratio": 1 / 20,
+    "train_flow_steps": None, "max_windows": None, "replay": None, "replay_fraction": 0.2, "num_workers": 0,
+    "resume": None, "threads": None, "dtype": "float32", "drafter": {}, "training_args": {},
+}
+
+
+def _numbers(value):
+    """YAML 1.1 reads `1e-4` (no dot) as a string: make such strings numbers, in nested mappings too."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    import yaml
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip().replace("-", "_"), _numbers(yaml.safe_load(value))
+
+
+# ------------------------------------------------------------------------------------------------------------ train
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="Train a ChainFlow drafter (or a LoRA adapter) on a prepared data directory.",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--config", help="YAML file of options (keys = long option names); the command line overrides it")
+    a("--target", help=f"known target name or local model directory (default {TRAIN_DEFAULTS['target']})")
+    a("--data", help="prepared data directory (`hf-chainflow prepare --out`)")
+    a("--out", help="output directory: the drafter (or adapter) and the checkpoints")
+    a("--init-from", help="warm-start from this drafter (language adaptation); its shortlist and sizes are kept")
+    a("--lora", metavar="NAME", help="train a LoRA adapter NAME on the --init-from drafter instead of all weights")
+    a("--lora-rank", type=int, help="LoRA rank (default 8)")
+    a("--epochs", type=float, help="training epochs (default 15, the paper's)")
+    a("--max-steps", type=int, help="stop after this many optimiser steps (overrides --epochs)")
+    a("--batch-size", type=int, help="windows per device per step (default 64)")
+    a("--lr", type=float, help="learning rate (default 5e-4; 1e-4..1.5e-4 for language adaptation)")
+    a("--grad-accum", type=int, help="gradient accumulation steps")
+    a("--seed", type=int)
+    a("--logging-steps", type=int)
+    a("--save-steps", type=int)
+    a("--save-total-limit", type=int)
+    a("--vae-pretrain-steps", type=int, help="VAE-only (L_rec) steps before joint training (default 0)")
+    a("--vae-lr-ratio", type=float, help="VAE lr as a fraction of --lr (default 1/20)")
+    a("--train-flow-steps", type=int, help="N, Euler steps integrated in training (default: the drafter config's)")
+    a("--max-windows", type=int, help="train on a seeded random subset of this many windows")
+    a("--replay", help="prepared data directory of earlier languages to mix in (replay)")
+    a("--replay-fraction", type=float, help="share of replay rows in the mix (default 0.2)")
+    a("--num-workers", type=int, help="data-loader workers")
+    a("--resume", help="resume from a checkpoint directory, or 'last' for the newest under --out")
+    a("--threads", type=int, help="torch.set_num_threads")
+    a("--dtype", choices=("float32", "bfloat16"), help="dtype of the target and the drafter (default float32)")
+    a("--drafter-arg", action="append", type=_key_value, metavar="KEY=VALUE",
+      help="ChainFlowConfig field of a fresh drafter, e.g. num_blocks=4 (repeatable)")
+    a("--training-arg", action="append", type=_key_value, metavar="KEY=VALUE",
+      help="ChainFlowTrainingArguments field, e.g. loss_acc_weight=0.3 (repeatable)")
+    p.set_defaults(func=run_train)
+
+
+def resolve_train_options(args: argparse.Namespace) -> dict:
+    """Built-in defaults < YAML `--config` < command line; returns a plain dict of every train option."""
+    import yaml
+
+    opts = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TRAIN_DEFAULTS.items()}
+    if args.config:
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"train: --config {args.config} must hold a YAML mapping, got {type(loaded).__name__}.")
+        loaded = {k.replace("-", "_"): _numbers(v) for k, v in loaded.items()}
+        unknown = sorted(set(loaded) - set(TRAIN_DEFAULTS))
+        if unknown:
+            raise SystemExit(f"train: unknown key(s) {unknown} in {args.config}; valid keys: {sorted(TRAIN_DEFAULTS)}.")
+        for key in ("drafter", "training_args"):
+            if not isinstance(loaded.get(key, {}), dict):
+                raise SystemExit(f"train: `{key}` in {args.config} must be a mapping.")
+        opts.update(loaded)
+    for key in TRAIN_DEFAULTS:
+        value = getattr(args, key, None)
+        if value is not None and key not in ("drafter", "training_args"):
+            opts[key] = value
+    opts["drafter"] = {**opts["drafter"], **dict(args.drafter_arg or [])}
+    opts["training_args"] = {**opts["training_args"], **dict(args.training_arg or [])}
+    for key in ("data", "out"):
+        if not opts[key]:
+            raise SystemExit(f"train: --{key} is required (on the command line or in --config).")
+    if opts["lora"] and not opts["init_from"]:
+        raise SystemExit("train: --lora adapts an existing drafter; give it with --init-from.")
+    return opts
+
+
+def _window_dataset(data_dir, config, **kwargs):
+    from hf_chainflow.data import ChainFlowWindowDataset
+
+    return ChainFlowWindowDataset(data_dir, context_len=config.context_size, num_draft=config.num_draft_positions,
+                                  num_parents=config.path_order, **kwargs)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
+    from hf_chainflow.cli import load_model_and_tokenizer
+    from hf_chainflow.data import read_shortlist
+    from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
+
+    o = resolve_train_options(args)
+    if o["threads"]:
+        torch.set_num_threads(o["threads"])
+    dtype = getattr(torch, o["dtype"])
+    target, _ = load_model_and_tokenizer(o["target"], dtype)
+    target.requires_grad_(False)
+    if o["init_from"]:
+        if o["drafter"]:
+            raise SystemExit(f"train: drafter fields {sorted(o['drafter'])} cannot change a warm-started drafter "
+                             f"(--init-from keeps its sizes); drop them or train a fresh drafter.")
+        model = ChainFlowDrafter.from_pretrained(o["init_from"], target=target, dtype=dtype)
+    else:
+        config = ChainFlowConfig.for_target(target.config, shortlist=read_shortlist(o["data"]), **o["drafter"])
+        torch.manual_seed(o["seed"])
+        model = ChainFlowDrafter(config).to(dtype).bind_target(target)
+    config = model.config
+    if o["lora"]:
+        from hf_chainflow.adapters import add_language_adapter, lora_config
+
+        model = add_language_adapter(model, o["lora"], lora_config(r=o["lora_rank"]))
+
+    train_set = _window_dataset(o["data"], config, max_windows=o["max_windows"], seed=o["seed"])
+    if o["replay"]:
+        train_set = ReplayMixDataset(train_set, _window_dataset(o["replay"], config), o["replay_fraction"],
+                                     seed=o["seed"])
+    targs = dict(output_dir=o["out"], num_train_epochs=o["epochs"], max_steps=o["max_steps"],
+                 per_device_train_batch_size=o["batch_size"], learning_rate=o["lr"],
+                 gradient_accumulation_steps=o["grad_accum"], seed=o["seed"], logging_steps=o["logging_steps"],
+                 save_steps=o["save_steps"], save_total_limit=o["save_total_limit"],
+                 vae_pretrain_steps=o["vae_pretrain_steps"], vae_lr_ratio=o["vae_lr_ratio"],
+                 train_flow_steps=o["train_flow_steps"], dataloader_num_workers=o["num_workers"],
+                 report_to="none", bf16=dtype == torch.bfloat16 and torch.cuda.is_available(),
+                 dataloader_pin_memory=torch.cuda.is_available())
+    targs.update(o["training_args"])
+    trainer = ChainFlowTrainer(model=model, args=ChainFlowTrainingArguments(**targs), train_dataset=train_set)
+    resume = o["resume"]
+    if resume == "last":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(o["out"])
+        if resume is None:
+            raise SystemExit(f"train: --resume last, but {o['out']} holds no checkpoint-* directory.")
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    elapsed = time.perf_counter() - start
+    trainer.save_model(o["out"])
+    windows = trainer.state.global_step * o["batch_size"] * o["grad_accum"]
+    summary = {"steps": trainer.state.global_step, "windows_seen": windows, "train_seconds": round(elapsed, 2),
+               "windows_per_second": round(windows / elapsed, 1) if elapsed else None,
+               "train_loss": result.training_loss, "num_train_windows": len(train_set),
+               "options": {k: v for k, v in o.items()}}
+    Path(o["out"], "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"
+    print(f"saved {what} to {o['out']}: {summary['steps']} steps, {windows} windows in {elapsed:.1f} s "
+          f"({summary['windows_per_second']} windows/s), train loss {result.training_loss:.4f}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- eval-offline
+def add_eval_offline_parser(sub) -> None:
+    p = sub.add_parser("eval-offline", help="Offline acceptance length tau of a drafter on prepared windows.",
+                       description="Greedy chain (and optionally tree) drafts from exactly what the serving loop "
+                                   "gives the drafter, compared with the target's own next tokens.")
+    a = p.add_argument
+    a("--drafter", required=True, help="drafter directory (save_pretrained)")
+    a("--adapter", help="LoRA adapter directory to apply on the drafter")
+    a("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
+    a("--data", required=True, help="prepared data directory (held-out prompts)")
+    a("--out", help="report directory (offline_eval.json, acceptance.png)")
+    a("--num-tokens", type=int, default=3, help="chain length k (serving num_assistant_tokens)")
+    a("--tree", help="also evaluate trees WIDTHxDEPTH, e.g. 8x4 (per window, slower)")
+    a("--max-tree-windows", type=int, default=512)
+    a("--num-flow-steps", type=int, help="Euler steps (default: the drafter's serving setting)")
+    a("--batch-size", type=int, default=64)
+    a("--max-windows", type=int, help="evaluate a seeded random subset of this many windows")
+    a("--reference", action="store_true", help="one drafter.draft call per window instead of the batched path")
+    a("--dtype", choices=("float32", "bfloat16"), default="float32")
+    a("--threads", type=int, help="torch.set_num_threads")
+    a("--seed", type=int, default=0)
+    p.set_defaults(func=run_eval_offline)
+
+
+def _tree_shape(text: str) -> tuple[int, int]:
+    try:
+        width, depth = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"eval-offline: --tree must look like WIDTHxDEPTH (e.g. 8x4), got {text!r}.") from None
+    return width, depth
+
+
+def run_eval_offline(args: argparse.Namespace) -> int:
+    from hf_chainflow import ChainFlowDrafter
+    from hf_chainflow.cli import load_model_and_tokenizer
+    from hf_chainflow.evaluation import evaluate_offline
+    from hf_chainflow.trainer import unwrap_drafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    target, _ = load_model_and_tokenizer(args.target, dtype)
+    model = ChainFlowDrafter.from_pretrained(args.drafter, target=target, dtype=dtype)
+    if args.adapter:
+        from hf_chainflow.adapters import load_language_adapter
+
+        model = load_language_adapter(model, args.adapter, Path(args.adapter).name)
+    data = _window_dataset(args.data, unwrap_drafter(model).config)
+    result = evaluate_offline(model, data, num_tokens=args.num_tokens, batch_size=args.batch_size,
+                              max_windows=args.max_windows, tree=_tree_shape(args.tree) if args.tree else None,
+                              max_tree_windows=args.max_tree_windows, num_flow_steps=args.num_flow_steps,
+                              batched=not args.reference, output_dir=args.out, seed=args.seed)
+    result["drafter"], result["data"] = str(args.drafter), str(args.data)
+    if args.out:
+        Path(args.out, "offline_eval.json").write_text(json.dumps(result, indent=1))
+    acc = " ".join(f"{a:.3f}" for a in result["acceptance"])
+    print(f"tau {result['tau']:.3f} over {result['num_windows']} windows (chain k={args.num_tokens}); acc@i {acc}")
+    for name, stats in result["per_domain"].items():
+        print(f"  {name:>12}: tau {stats['tau']:.3f} ({stats['num_windows']} windows)")
+    if "tree" in result:
+        print(f"tree {args.tree}: tau {result['tree']['tau']:.3f} over {result['tree']['num_windows']} windows")
+    return 0
+
+
+__all__ = ["add_eval_offline_parser", "add_train_parser", "resolve_train_options", "run_eval_offline", "run_train"]

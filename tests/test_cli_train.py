@@ -1,0 +1,36 @@
+"""`hf-chainflow train` option resolution: built-in defaults < YAML --config < command line."""
+
+import pytest
+
+from hf_chainflow.cli import build_parser
+from hf_chainflow.cli_train import TRAIN_DEFAULTS, resolve_train_options
+
+
+def parse(*argv):
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_yaml_fills_options_and_the_command_line_wins(tmp_path):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("data: /d\nout: /o\nlr: 1e-3\nmax_steps: 7\nbatch-size: 16\ndrafter: {num_blocks: 2, num_heads: 4}\n"
+                   "training_args: {loss_acc_weight: 0.5}\n")
+    o = resolve_train_options(parse("--config", str(cfg), "--lr", "2e-4", "--drafter-arg", "num_blocks=3",
+                                    "--training-arg", "kl_beta=1e-4"))
+    assert (o["data"], o["out"], o["lr"], o["batch_size"]) == ("/d", "/o", 2e-4, 16)
+    assert o["drafter"] == {"num_blocks": 3, "num_heads": 4}
+    assert o["training_args"] == {"loss_acc_weight": 0.5, "kl_beta": 1e-4}
+    assert o["max_steps"] == 7 and isinstance(o["max_steps"], int)
+    assert o["epochs"] == TRAIN_DEFAULTS["epochs"] and o["vae_lr_ratio"] == 1 / 20
+
+
+def test_bad_options_are_named(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("data: /d\nout: /o\nlearning_rate: 1\n")
+    with pytest.raises(SystemExit, match="unknown key"):
+        resolve_train_options(parse("--config", str(cfg)))
+    with pytest.raises(SystemExit, match="--out is required"):
+        resolve_train_options(parse("--data", "/d"))
+    with pytest.raises(SystemExit, match="--init-from"):
+        resolve_train_options(parse("--data", "/d", "--out", "/o", "--lora", "tr"))
+    with pytest.raises(SystemExit):
+        parse("--data", "/d", "--drafter-arg", "num_blocks")  # not KEY=VALUE
