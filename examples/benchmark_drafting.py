@@ -1,0 +1,91 @@
+"""Micro-benchmark (not a test): drafting latency of a ChainFlow drafter on the real SmolLM2 target, split into
+VAE / flow / head / search, next to the target's own one-token step and multi-token verification times.
+
+    python examples/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300]
+
+Without `--drafter`, a randomly initialised drafter with the default config for the target is timed (latency does
+not depend on the weights' values).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import hf_chainflow  # noqa: F401
+from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
+from hf_chainflow.targets import load_target
+
+
+def timed(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3  # ms
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", default=None, help="saved drafter directory (default: random default config)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--context", type=int, default=300, help="committed tokens in the target's cache")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, _ = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
+    if args.drafter:
+        drafter = ChainFlowDrafter.from_pretrained(args.drafter, target=target).eval()
+    else:
+        drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config)).eval().bind_target(target)
+    cfg = drafter.config
+    ids = torch.randint(100, 20000, (1, args.context))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True, use_cache=True)
+    h = out.hidden_states[-1]
+    g = drafter.generation_config
+
+    with torch.no_grad():
+        context, mask = drafter._context(h)
+        z0 = drafter.source(context, mask)
+        z1 = drafter.integrate(z0, context, mask, cfg.num_flow_steps)
+        states = drafter.decode(z1)[0]
+        rows = {
+            "vae encode (context)": timed(lambda: drafter._context(h), args.repeats),
+            f"flow ({cfg.num_flow_steps} Euler step, {cfg.num_experts}x{cfg.num_blocks} blocks)":
+                timed(lambda: drafter.integrate(drafter.source(context, mask), context, mask, cfg.num_flow_steps),
+                      args.repeats),
+            "vae decode": timed(lambda: drafter.decode(z1), args.repeats),
+            "candidate head (pass 1)": timed(lambda: drafter._candidates(states), args.repeats),
+            f"search chain {g.num_assistant_tokens}": timed(
+                lambda: drafter.search(states, ids[0], mode="chain", num_tokens=g.num_assistant_tokens), args.repeats),
+            f"search tree {g.tree_width}x{g.tree_depth}": timed(
+                lambda: drafter.search(states, ids[0], mode="tree", tree_width=g.tree_width,
+                                       tree_depth=g.tree_depth), args.repeats),
+            f"full draft, tree {g.tree_width}x{g.tree_depth}": timed(
+                lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth),
+                args.repeats),
+        }
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        past = cache.get_seq_length()
+        for n in (1, 4, 8, 33):
+            def step(n=n):
+                target(torch.randint(100, 20000, (1, n)), cache=cache, use_cache=True)
+                cache.crop(past)
+            rows[f"target forward, {n} token(s) ({args.dtype})"] = timed(step, args.repeats)
+
+    params = sum(p.numel() for p in drafter.parameters())
+    print(f"drafter: {params / 1e6:.2f} M parameters; Z={cfg.latent_size}, C={cfg.context_size}, "
+          f"K={cfg.num_draft_positions}, threads={args.threads}, context={args.context}")
+    print(f"{'component':48s} {'median ms':>10s}")
+    for name, ms in rows.items():
+        print(f"{name:48s} {ms:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
