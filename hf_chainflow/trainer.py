@@ -43,6 +43,8 @@ class ChainFlowTrainingArguments(TrainingArguments):
     lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule (paper: constant)."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep every column: windows are dicts of tensors read by the trainer."})
+    prediction_loss_only: bool = field(
+        default=True, metadata={"help": "Evaluation returns the loss (and its logged terms), not the logits."})
     loss_flow_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["flow"],
                                     metadata={"help": "Weight of L_flow, the flow-matching MSE."})
     loss_hid_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["hid"],
@@ -162,6 +164,8 @@ class ChainFlowTrainer(Trainer):
         # pass `num_items_in_batch` into the drafter's forward.
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
+        if not self.label_names:  # evaluation computes the loss only for batches holding the "labels"
+            self.label_names = ["target_tokens"]
         self._terms: dict[str, dict[str, list[torch.Tensor]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.vae_pretrain_losses: list[float] | None = None  # set by `pretrain_vae`
 

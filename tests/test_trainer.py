@@ -106,6 +106,11 @@ def test_train_logs_every_term_and_saves_only_the_drafter(target, windows, tmp_p
     assert any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())
     assert all(torch.equal(target_before[k], v) for k, v in target.state_dict().items())
 
+    metrics = trainer.evaluate(eval_dataset=windows[:16])
+    assert {"eval_loss", *(f"eval_loss_{t}" for t in TERMS)} <= set(metrics)
+    assert metrics["eval_loss"] == pytest.approx(sum(weights[t] * metrics[f"eval_loss_{t}"] for t in TERMS),
+                                                  rel=1e-3)
+
     out = tmp_path / "saved"
     trainer.save_model(str(out))
     for name in ("config.json", "model.safetensors", "generation_config.json"):
