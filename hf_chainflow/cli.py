@@ -4,6 +4,8 @@
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
     hf-chainflow train --data DIR --out DRAFTER                    # train a drafter (see cli_train.py)
     hf-chainflow eval-offline --drafter DRAFTER --data DIR         # offline acceptance length tau
+    hf-chainflow bench --limit 16                                  # wall-clock speedup of ar/pld/chain/tree arms
+    hf-chainflow demo                                              # stream speculative generations (see demo.py)
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import sys
 
 import torch
 
+from hf_chainflow.bench import add_bench_parser
 from hf_chainflow.cli_train import add_eval_offline_parser, add_train_parser
+from hf_chainflow.demo import add_demo_parser
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_parser(sub)
     add_train_parser(sub)
     add_eval_offline_parser(sub)
+    add_bench_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 

@@ -1,0 +1,685 @@
+"""`hf-chainflow bench`: wall-clock speed and exactness of plain, prompt-lookup and ChainFlow decoding.
+
+One run, arms interleaved prompt by prompt (every arm runs on a prompt before the next prompt starts), so machine
+noise hits all arms alike. Arms (each in every requested dtype, with its own target copy in that dtype):
+
+    ar           plain greedy `generate`
+    pld          transformers' prompt lookup (`prompt_lookup_num_tokens=N`)
+    chain, tree  the ChainFlow drafter (`generate(assistant_model=drafter)`), chain / tree drafting
+    NAME-chain, NAME-tree   any extra drafter (`--drafter NAME=PATH`, e.g. a FlashMap-style drafter)
+
+Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Reported per arm and per domain:
+
+- `tokens_per_second`: pooled new tokens / pooled wall time of the `generate` calls;
+- `speedup`: tokens/s over the same-dtype `ar` arm of the same run (= the ratio of pooled times whenever the two
+  arms emit the same number of tokens, which greedy decoding does unless outputs differ);
+  `speedup_vs_fastest_ar`: the same against the fastest `ar` arm over all dtypes;
+- `tau`: tokens per target forward after the prefill, bonus included (`ar`: 1; `pld`: counted with a forward hook;
+  drafter arms: `drafter.last_stats`); acceptance per draft depth, drafting / verification seconds per round;
+- `mismatches`: prompts whose output differs from the same-dtype `ar` output, each classified at its first
+  diverging position (see `classify_divergence`).
+
+Numerics. Speculative decoding is exact in float32: every arm must equal `ar` token for token, so every float32
+difference is `unexplained` (a bug). In bfloat16, scoring several tokens in one forward rounds differently from
+scoring one at a time and flips near-ties. At the first diverging position the plain model of that dtype scores the
+common prefix in one forward; when its logits for the two tokens (ar's and the arm's) lie within
+`--tie-tolerance` of each other the difference is a `near_tie`, else it is `unexplained`.
+
+Default tolerance, measured (`DEFAULT_TIE_TOLERANCE`): SmolLM2-135M-Instruct in bfloat16, 8 evaluation prompts
+(one per domain), 64 greedy tokens each (442 positions); the gap between the two top logits of one-token-at-a-time
+scoring moved, when the same positions were scored in one full forward / in chunks of 4 / in chunks of 33 tokens,
+by a median of 0.03-0.04, p99 0.13-0.16 and at most 0.19-0.25 logits; 3-4 of the 442 top-2 orders flipped.
+0.25 covers every observed move (one bfloat16 ulp at |logit| in [16, 32) is 0.125); a genuine error (a wrong
+token, a broken cache) sits whole logits away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .stats import SpeculativeStats
+
+DEFAULT_TIE_TOLERANCE = 0.25
+DEFAULT_OUTPUT_DIR = "runs/bench"
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASE_ARMS = ("ar", "pld", "chain", "tree")
+WARMUP_MAX_NEW_TOKENS = 32
+
+
+# ------------------------------------------------------------------------------------------------- prompts
+
+def default_prompts_path() -> Path:
+    """The evaluation prompts shipped inside the package (a copy of the project's `eval.jsonl`)."""
+    return Path(__file__).parent / "data" / "eval_prompts.jsonl"
+
+
+def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
+    """Rows `{id, domain, language, prompt}` of a JSONL file (default: the shipped evaluation prompts)."""
+    path = Path(path) if path is not None else default_prompts_path()
+    if not path.is_file():
+        raise ValueError(f"`--prompts` must be a JSONL file, got {str(path)!r}, which does not exist.")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in ("id", "domain", "prompt") if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{n}: every prompt row needs `id`, `domain` and `prompt`; missing {missing}.")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"`--prompts` file {str(path)!r} holds no rows.")
+    return rows
+
+
+def stratified_selection(rows: list[dict], limit: int | None) -> list[dict]:
+    """Up to `limit` rows taken round-robin over the domains (sorted; file order within a domain), so every domain
+    appears once `limit >= number of domains`; all rows when `limit` is None."""
+    if limit is None:
+        return list(rows)
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"`--limit` must be a positive integer, got {limit!r}.")
+    by_domain: dict[str, list[dict]] = {}
+    for row in rows:
+        by_domain.setdefault(row["domain"], []).append(row)
+    queues = [list(reversed(by_domain[d])) for d in sorted(by_domain)]
+    picked: list[dict] = []
+    while len(picked) < limit and any(queues):
+        for q in queues:
+            if q and len(picked) < limit:
+                picked.append(q.pop())
+    return picked
+
+
+@dataclass
+class BenchPrompt:
+    """One tokenised prompt: `input_ids` `(1, L)`."""
+
+    id: str
+    domain: str
+    input_ids: torch.LongTensor
+
+
+def tokenize_prompts(tokenizer, rows: list[dict]) -> list[BenchPrompt]:
+    """Rows -> `BenchPrompt`s through the tokenizer's chat template (`add_generation_prompt=True`)."""
+    out = []
+    for row in rows:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        out.append(BenchPrompt(str(row["id"]), str(row["domain"]), enc["input_ids"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- arms
+
+@dataclass
+class Arm:
+    """One way of generating, in one dtype.
+
+    `kind` is `"ar"`, `"pld"`, `"chain"`, `"tree"` or `"custom"`. Chain/tree arms name their `drafter` (a key of the
+    `drafters` given to `run_bench`). A custom arm (tests, experiments) calls
+    `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    drafter: str | None = None
+    settings: dict = field(default_factory=dict)
+    fn: Callable | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.dtype}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind in ("chain", "tree")
+
+
+def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
+               tree: tuple[int, int] | None = None, default_drafter: str = "chainflow",
+               only: list[str] | None = None) -> list[Arm]:
+    """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
+
+    `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
+    length `num_assistant_tokens`, tree shape `tree_width` x `tree_depth`; `chain`/`tree` override them). The
+    default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `only` keeps the arms of
+    those names.
+    """
+    names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
+                                                      ("pld", "pld", None, {"prompt_lookup_num_tokens": pld_tokens})]
+    for dname, drafter in drafters.items():
+        g = drafter.generation_config
+        prefix = "" if dname == default_drafter else f"{dname}-"
+        n = chain if chain is not None else int(g.num_assistant_tokens)
+        width, depth = tree if tree is not None else (int(getattr(g, "tree_width", 8)), int(getattr(g, "tree_depth", 4)))
+        names.append((f"{prefix}chain", "chain", dname, {"num_assistant_tokens": n}))
+        names.append((f"{prefix}tree", "tree", dname, {"tree_width": width, "tree_depth": depth}))
+    if only is not None:
+        known = [n[0] for n in names]
+        unknown = [o for o in only if o not in known]
+        if unknown:
+            raise ValueError(f"`--arms` names unknown arms {unknown}; the arms of this run are {known}.")
+        names = [n for n in names if n[0] in only]
+    return [Arm(name, kind, dtype, dname, dict(settings)) for dtype in dtypes for name, kind, dname, settings in names]
+
+
+def configure_drafter(drafter, arm: Arm) -> None:
+    """Set the drafter's `generation_config` for a chain or tree arm."""
+    g = drafter.generation_config
+    g.draft_mode = arm.kind
+    for k, v in arm.settings.items():
+        setattr(g, k, v)
+
+
+class _ForwardCounter:
+    """Counts calls of a model's forward (a forward hook), for prompt lookup's tau."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+    def remove(self):
+        self.handle.remove()
+
+
+@dataclass
+class Run:
+    """What one arm did on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    stats: SpeculativeStats | None = None
+    forwards: int | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, drafter=None,
+            eos_token_id=None, pad_token_id=None) -> Run:
+    """Generate greedily with one arm on one prompt; time only the `generate` call."""
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+    if pad_token_id is not None:
+        kwargs["pad_token_id"] = pad_token_id
+    counter = None
+    if arm.kind in ("ar", "pld"):
+        counter = _ForwardCounter(model)
+        if arm.kind == "pld":
+            kwargs["prompt_lookup_num_tokens"] = arm.settings["prompt_lookup_num_tokens"]
+    elif arm.speculative:
+        configure_drafter(drafter, arm)
+        kwargs["assistant_model"] = drafter
+    elif arm.kind != "custom":
+        raise ValueError(f"`Arm.kind` must be one of {BASE_ARMS + ('custom',)}, got {arm.kind!r}.")
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = arm.fn(model, input_ids, kwargs) if arm.kind == "custom" else model.generate(input_ids, **kwargs)
+            seconds = time.perf_counter() - start
+    finally:
+        if counter is not None:
+            counter.remove()
+    tokens = out[0, input_ids.shape[1]:].tolist()
+    stats = drafter.last_stats if arm.speculative else None
+    return Run(tokens, seconds, stats, counter.count if counter is not None else None)
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+def first_divergence(reference: list[int], other: list[int]) -> int | None:
+    """First position where two token lists differ (a length difference counts at the shorter length); None when
+    they are equal."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def classify_divergence(logits: torch.Tensor, expected: int | None, got: int | None, dtype: str,
+                        tolerance: float = DEFAULT_TIE_TOLERANCE) -> dict:
+    """Classify one difference from the reference logits `(V,)` of the common prefix.
+
+    `expected` is ar's token, `got` the arm's (None where that output had already ended). The difference is a
+    `near_tie` when `dtype` is not float32 and both tokens' logits lie within `tolerance`; otherwise `unexplained`
+    (float32 is exact; a gap beyond the rounding of a low-precision forward, or a length difference, is a bug).
+    """
+    top = int(logits.argmax())
+    if expected is None or got is None:
+        return {"kind": "unexplained", "gap": None, "reference_top": top, "reason": "output length differs"}
+    gap = float(logits[expected].float() - logits[got].float())
+    if dtype == "float32":
+        kind, reason = "unexplained", "float32 must match exactly"
+    elif abs(gap) <= tolerance:
+        kind, reason = "near_tie", f"|gap| <= {tolerance}"
+    else:
+        kind, reason = "unexplained", f"|gap| > {tolerance}"
+    return {"kind": kind, "gap": gap, "reference_top": top, "reason": reason}
+
+
+@torch.inference_mode()
+def explain_mismatch(model, prompt_ids: torch.LongTensor, reference: list[int], other: list[int], dtype: str,
+                     tolerance: float) -> dict | None:
+    """None when `other == reference`; else the first diverging position, both tokens and their classification
+    from the plain `model` (of that dtype) scoring prompt + common prefix in one forward."""
+    pos = first_divergence(reference, other)
+    if pos is None:
+        return None
+    prefix = torch.tensor([reference[:pos]], dtype=prompt_ids.dtype, device=prompt_ids.device)
+    ids = torch.cat([prompt_ids, prefix], 1)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
+    expected = reference[pos] if pos < len(reference) else None
+    got = other[pos] if pos < len(other) else None
+    return {"position": pos, "ar_token": expected, "arm_token": got,
+            **classify_divergence(logits, expected, got, dtype, tolerance)}
+
+
+# -------------------------------------------------------------------------------------------------- the run
+
+def _pooled_stats(runs: list[Run]) -> SpeculativeStats | None:
+    stats = [r.stats for r in runs if r.stats is not None]
+    if not stats:
+        return None
+    merged = SpeculativeStats(mode=stats[0].mode, loop=stats[0].loop)
+    for s in stats:
+        merged.accepted += s.accepted
+        merged.drafted_depth += s.drafted_depth
+        merged.draft_time += s.draft_time
+        merged.verify_time += s.verify_time
+        merged.prefill_time += s.prefill_time
+    return merged
+
+
+def _tau(arm: Arm, runs: list[Run]) -> float | None:
+    if arm.kind == "ar":
+        return 1.0
+    if arm.kind == "pld":
+        forwards = sum(r.forwards - 1 for r in runs)  # after the prefill
+        tokens = sum(max(r.new_tokens - 1, 0) for r in runs)  # the prefill's token is not a round's
+        return tokens / forwards if forwards else None
+    stats = _pooled_stats(runs)
+    return stats.tau if stats is not None and stats.rounds else None
+
+
+def _speed(runs: list[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(r.new_tokens for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    if hasattr(os, "getloadavg"):
+        info["load_average_start"] = list(os.getloadavg())
+    return info
+
+
+def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[Arm],
+              drafters: dict[str, dict[str, object]] | None = None, *, max_new_tokens: int = 128,
+              tie_tolerance: float = DEFAULT_TIE_TOLERANCE, warmup: BenchPrompt | None = None, eos_token_id=None,
+              pad_token_id=None, decode: Callable[[list[int]], str] | None = None, progress: bool = True,
+              settings: dict | None = None) -> dict:
+    """Run every arm on every prompt (interleaved) and summarise.
+
+    Args:
+        models: dtype name -> the target in that dtype (one copy per dtype).
+        prompts: tokenised prompts; `warmup`: one more prompt run by every arm first and not counted.
+        arms: from `build_arms` (plus any custom arms); every dtype needs an `ar` arm (the baseline).
+        drafters: drafter name -> dtype name -> a drafter bound to `models[dtype]`.
+        decode: token ids -> text, for the printed differences.
+    Returns the results dict written by `write_results`.
+    """
+    from tqdm.auto import tqdm
+
+    drafters = drafters or {}
+    if not prompts:
+        raise ValueError("`prompts` is empty: give at least one prompt to benchmark.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`--max-new-tokens` must be a positive integer, got {max_new_tokens!r}.")
+    if not tie_tolerance >= 0:
+        raise ValueError(f"`--tie-tolerance` must be >= 0 (logits), got {tie_tolerance!r}.")
+    for arm in arms:
+        if arm.dtype not in models:
+            raise ValueError(f"Arm {arm.key} needs a target in {arm.dtype}; `models` has {sorted(models)}.")
+        if not any(a.kind == "ar" and a.dtype == arm.dtype for a in arms):
+            raise ValueError(f"Arm {arm.key} has no `ar@{arm.dtype}` baseline: keep the `ar` arm in every dtype.")
+        if arm.speculative and arm.dtype not in drafters.get(arm.drafter, {}):
+            raise ValueError(f"Arm {arm.key} needs drafter {arm.drafter!r} bound to the {arm.dtype} target.")
+    keys = [a.key for a in arms]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"Arm keys must be unique, got {keys}.")
+
+    info = machine_info()
+    started = time.perf_counter()
+
+    def go(arm: Arm, prompt: BenchPrompt, n: int) -> Run:
+        drafter = drafters[arm.drafter][arm.dtype] if arm.speculative else None
+        return run_arm(arm, models[arm.dtype], prompt.input_ids, n, drafter, eos_token_id, pad_token_id)
+
+    if warmup is not None:
+        for arm in arms:
+            go(arm, warmup, min(max_new_tokens, WARMUP_MAX_NEW_TOKENS))
+
+    runs: dict[str, list[Run]] = {k: [] for k in keys}
+    details: dict[str, list[dict]] = {k: [] for k in keys}
+    per_prompt = []
+    bar = tqdm(prompts, desc="bench", unit="prompt", disable=not progress)
+    for prompt in bar:
+        record = {"id": prompt.id, "domain": prompt.domain, "prompt_tokens": int(prompt.input_ids.shape[1]), "arms": {}}
+        for arm in arms:
+            run = go(arm, prompt, max_new_tokens)
+            runs[arm.key].append(run)
+            record["arms"][arm.key] = {"new_tokens": run.new_tokens, "seconds": run.seconds,
+                                       "tau": _tau(arm, [run])}
+        for arm in arms:  # outside the timed calls
+            if arm.kind == "ar":
+                continue
+            ref = runs[f"ar@{arm.dtype}"][-1].tokens
+            d = explain_mismatch(models[arm.dtype], prompt.input_ids, ref, runs[arm.key][-1].tokens, arm.dtype,
+                                 tie_tolerance)
+            if d is None:
+                continue
+            d = {"id": prompt.id, "domain": prompt.domain, **d}
+            details[arm.key].append(d)
+            record["arms"][arm.key]["mismatch"] = d
+            bar.write(_describe(arm.key, d, decode))
+        per_prompt.append(record)
+    bar.close()
+
+    return summarise(arms, runs, details, per_prompt, prompts, settings={
+        "max_new_tokens": max_new_tokens, "tie_tolerance": tie_tolerance, "num_prompts": len(prompts),
+        "warmup": warmup.id if warmup is not None else None, "warmup_max_new_tokens":
+        min(max_new_tokens, WARMUP_MAX_NEW_TOKENS) if warmup is not None else None, "greedy": True, "batch_size": 1,
+        "arms": {a.key: {"kind": a.kind, "dtype": a.dtype, "drafter": a.drafter, **a.settings} for a in arms},
+        **(settings or {})}, machine=info, wall_time=time.perf_counter() - started)
+
+
+def _describe(key: str, d: dict, decode) -> str:
+    def tok(t):
+        if t is None:
+            return "<end>"
+        return f"{decode([t])!r}({t})" if decode is not None else str(t)
+
+    gap = "n/a" if d["gap"] is None else f"{d['gap']:+.3f}"
+    return (f"[{d['kind']}] {key} differs from ar on {d['id']} ({d['domain']}) at new token {d['position']}: "
+            f"ar {tok(d['ar_token'])} vs arm {tok(d['arm_token'])}, reference logit gap {gap} ({d['reason']})")
+
+
+def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, list[dict]], per_prompt: list[dict],
+              prompts: list[BenchPrompt], settings: dict, machine: dict, wall_time: float) -> dict:
+    """Pool the per-prompt runs into per-arm and per-domain numbers."""
+    domains = sorted({p.domain for p in prompts})
+    ar_speed = {a.dtype: _speed(runs[a.key]) for a in arms if a.kind == "ar"}
+    fastest_ar = max(ar_speed.values())
+    out = {}
+    for arm in arms:
+        rs = runs[arm.key]
+        speed = _speed(rs)
+        stats = _pooled_stats(rs)
+        rounds = stats.rounds if stats is not None else 0
+        per_domain = {}
+        for dom in domains:
+            idx = [i for i, p in enumerate(prompts) if p.domain == dom]
+            mine = [rs[i] for i in idx]
+            base = _speed([runs[f"ar@{arm.dtype}"][i] for i in idx])
+            per_domain[dom] = {"prompts": len(idx), "tokens_per_second": _speed(mine),
+                               "speedup": _speed(mine) / base if base else None, "tau": _tau(arm, mine),
+                               "mismatches": sum(d["domain"] == dom for d in details[arm.key])}
+        out[arm.key] = {
+            "name": arm.name, "kind": arm.kind, "dtype": arm.dtype, "drafter": arm.drafter, "settings": arm.settings,
+            "new_tokens": sum(r.new_tokens for r in rs), "seconds": sum(r.seconds for r in rs),
+            "tokens_per_second": speed,
+            "speedup": speed / ar_speed[arm.dtype] if ar_speed[arm.dtype] else None,
+            "speedup_vs_fastest_ar": speed / fastest_ar if fastest_ar else None,
+            "tau": _tau(arm, rs),
+            "rounds": rounds if stats is not None else None,
+            "acceptance_per_depth": stats.acceptance_per_depth() if stats is not None else None,
+            "draft_time_per_round": stats.draft_time / rounds if rounds else None,
+            "verify_time_per_round": stats.verify_time / rounds if rounds else None,
+            "mismatches": len(details[arm.key]),
+            "near_ties": sum(d["kind"] == "near_tie" for d in details[arm.key]),
+            "unexplained_mismatches": sum(d["kind"] == "unexplained" for d in details[arm.key]),
+            "mismatch_details": details[arm.key],
+            "per_domain": per_domain,
+        }
+    if hasattr(os, "getloadavg"):
+        machine = {**machine, "load_average_end": list(os.getloadavg())}
+    return {"arms": out, "domains": domains, "prompts": per_prompt, "settings": settings, "machine": machine,
+            "wall_time": wall_time}
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+def _fmt(x, spec=".2f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def markdown_table(results: dict) -> str:
+    """`results.md`: the arms, speedup per domain, acceptance per depth, settings and machine."""
+    arms, domains = results["arms"], results["domains"]
+    lines = ["# hf-chainflow bench", "",
+             f"{results['settings']['num_prompts']} prompts, {results['settings']['max_new_tokens']} new tokens max, "
+             f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s.", "",
+             "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | verify ms/round "
+             "| mismatches | near-ties | unexplained |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, a in arms.items():
+        ms = lambda x: None if x is None else 1000 * x  # noqa: E731
+        lines.append(f"| {a['name']} | {a['dtype']} | {a['tokens_per_second']:.1f} | {_fmt(a['speedup'])}x "
+                     f"| {_fmt(a['speedup_vs_fastest_ar'])}x | {_fmt(a['tau'])} | {_fmt(ms(a['draft_time_per_round']), '.1f')} "
+                     f"| {_fmt(ms(a['verify_time_per_round']), '.1f')} | {a['mismatches']} | {a['near_ties']} "
+                     f"| {a['unexplained_mismatches']} |")
+    lines += ["", "## Speedup over same-dtype ar per domain (tau)", "",
+              "| arm | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+    for key, a in arms.items():
+        cells = [f"{_fmt(a['per_domain'][d]['speedup'])}x ({_fmt(a['per_domain'][d]['tau'])})" for d in domains]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    spec = {k: a for k, a in arms.items() if a["acceptance_per_depth"]}
+    if spec:
+        depth = max(len(a["acceptance_per_depth"]) for a in spec.values())
+        lines += ["", "## Acceptance per draft depth", "", "| arm | " + " | ".join(f"d{i + 1}" for i in range(depth))
+                  + " |", "|---|" + "---|" * depth]
+        for key, a in spec.items():
+            acc = a["acceptance_per_depth"] + [None] * (depth - len(a["acceptance_per_depth"]))
+            lines.append(f"| {key} | " + " | ".join(_fmt(x) for x in acc) + " |")
+    diffs = [(k, d) for k, a in arms.items() for d in a["mismatch_details"]]
+    if diffs:
+        lines += ["", "## Differences from same-dtype ar (first diverging new token)", "",
+                  "| arm | prompt | domain | position | ar | arm | ref gap | kind |", "|---|---|---|---|---|---|---|---|"]
+        for k, d in diffs:
+            lines.append(f"| {k} | {d['id']} | {d['domain']} | {d['position']} | {d['ar_token']} | {d['arm_token']} "
+                         f"| {_fmt(d['gap'], '+.3f')} | {d['kind']} |")
+    lines += ["", "## Settings", "", "```json", json.dumps(results["settings"], indent=1), "```", "",
+              "## Machine", "", "```json", json.dumps(results["machine"], indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write `results.json`, `results.md`, `speedup_per_domain.png` and `acceptance_per_depth.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "speedup_png": out / "speedup_per_domain.png",
+             "acceptance_png": out / "acceptance_per_depth.png"}
+    paths["json"].write_text(json.dumps(results, indent=1))
+    paths["md"].write_text(markdown_table(results))
+
+    arms = {k: a for k, a in results["arms"].items() if a["kind"] != "ar"}
+    groups = results["domains"] + ["all"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups) * max(1, len(arms)) / 3), 4))
+    width = 0.8 / max(1, len(arms))
+    x = np.arange(len(groups))
+    for i, (key, a) in enumerate(arms.items()):
+        vals = [a["per_domain"][d]["speedup"] or 0.0 for d in results["domains"]] + [a["speedup"] or 0.0]
+        ax.bar(x + (i - (len(arms) - 1) / 2) * width, vals, width, label=key)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel("speedup over same-dtype ar")
+    ax.set_title("Speedup per domain (pooled time per token)")
+    if arms:
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(paths["speedup_png"], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, a in results["arms"].items():
+        acc = a["acceptance_per_depth"]
+        if acc:
+            ax.plot(np.arange(1, len(acc) + 1), acc, marker="o", label=f"{key} (tau {_fmt(a['tau'])})")
+    ax.set_xlabel("draft depth d")
+    ax.set_ylabel("P(accepted to depth >= d)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance per draft depth")
+    if any(a["acceptance_per_depth"] for a in results["arms"].values()):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths["acceptance_png"], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+def _parse_dtypes(text: str) -> list[str]:
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPE_NAMES]
+    if not dtypes or bad or len(set(dtypes)) != len(dtypes):
+        raise ValueError(f"`--dtypes` must be distinct names from {sorted(DTYPE_NAMES)}, comma-separated, got {text!r}.")
+    return dtypes
+
+
+def _parse_tree(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"`--tree` must be WIDTHxDEPTH with positive integers (e.g. 8x4), got {text!r}.")
+    return int(parts[0]), int(parts[1])
+
+
+def _parse_extra_drafters(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"`--drafter` must be NAME=PATH (NAME alphanumeric, '-' or '_'), got {item!r}.")
+        if name in out or name == "chainflow":
+            raise ValueError(f"`--drafter` names must be unique and not 'chainflow' (the default drafter), got {name!r}.")
+        out[name] = path
+    return out
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="Wall-clock speed and exactness of ar / prompt lookup / ChainFlow arms.",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
+    p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
+    p.add_argument("--drafter", action="append", metavar="NAME=PATH",
+                   help="an extra drafter, run as NAME-chain / NAME-tree arms (repeatable)")
+    p.add_argument("--no-default-drafter", action="store_true", help="run no `chain`/`tree` arms of the default drafter")
+    p.add_argument("--arms", help="comma-separated arm names to run (default: all, e.g. ar,pld,chain,tree)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
+    p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the pld arm")
+    p.add_argument("--chain", type=int, help="chain length (default: the drafter's num_assistant_tokens)")
+    p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
+    p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
+    p.add_argument("--limit", type=int, help="benchmark N prompts, stratified by domain")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tie-tolerance", type=float, default=DEFAULT_TIE_TOLERANCE,
+                   help="logit gap below which a low-precision difference is a near-tie (default: measured, see docs)")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_bench_command)
+
+
+def _load_target(name: str, dtype: torch.dtype):
+    from .cli import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(name, dtype)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """`hf-chainflow bench`: load targets and drafters, run, write, print the table."""
+    from . import ChainFlowDrafter
+    from .checkpoints import default_drafter_path
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"`--threads` must be a positive integer, got {args.threads!r}.")
+    if args.pld_tokens < 1:
+        raise ValueError(f"`--pld-tokens` must be a positive integer, got {args.pld_tokens!r}.")
+    if args.chain is not None and args.chain < 1:
+        raise ValueError(f"`--chain` must be a positive integer, got {args.chain!r}.")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    dtypes = _parse_dtypes(args.dtypes)
+    tree = _parse_tree(args.tree)
+    paths = {} if args.no_default_drafter else {"chainflow": args.drafter_path or str(default_drafter_path())}
+    paths.update(_parse_extra_drafters(args.drafter))
+    only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+
+    rows = stratified_selection(load_prompts(args.prompts), args.limit)
+    all_rows = load_prompts(args.prompts)
+    chosen = {r["id"] for r in rows}
+    warm_row = next((r for r in all_rows if r["id"] not in chosen), rows[0])
+
+    models, drafters, tokenizer = {}, {name: {} for name in paths}, None
+    for dt in dtypes:
+        models[dt], tokenizer = _load_target(args.target, DTYPE_NAMES[dt])
+        for name, path in paths.items():
+            drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
+                                                                  dtype=DTYPE_NAMES[args.drafter_dtype]).eval()
+    arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=args.pld_tokens,
+                      chain=args.chain, tree=tree, only=only)
+    prompts = tokenize_prompts(tokenizer, rows)
+    warmup = tokenize_prompts(tokenizer, [warm_row])[0]
+    gen = models[dtypes[0]].generation_config
+    settings = {"target": args.target, "drafters": paths, "drafter_dtype": args.drafter_dtype, "dtypes": dtypes,
+                "prompts": str(args.prompts or default_prompts_path()), "limit": args.limit,
+                "pld_tokens": args.pld_tokens, "threads": torch.get_num_threads()}
+    results = run_bench(models, prompts, arms, drafters, max_new_tokens=args.max_new_tokens,
+                        tie_tolerance=args.tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
+                        pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=not args.no_progress,
+                        settings=settings)
+    written = write_results(results, args.output_dir)
+    print(markdown_table(results).split("\n## Settings")[0])
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0
+
+
+__all__ = ["Arm", "BenchPrompt", "DEFAULT_TIE_TOLERANCE", "build_arms", "classify_divergence", "explain_mismatch",
+           "first_divergence", "load_prompts", "markdown_table", "run_arm", "run_bench", "stratified_selection",
+           "tokenize_prompts", "write_results"]

@@ -1,0 +1,131 @@
+"""`hf-chainflow demo`: speculative decoding on the embedded default target and drafter, streamed, then compared
+with plain generation of the same prompts.
+
+    hf-chainflow demo                                  # tree drafting, bfloat16, 3 prompts
+    hf-chainflow demo --mode chain --dtype float32     # float32 outputs equal plain greedy exactly
+
+Each prompt is generated greedily with the drafter (`generate(assistant_model=drafter, streamer=TextStreamer)`),
+then plainly (same dtype, unprinted). The demo prints tau (tokens per target forward after the prefill, bonus
+included), the speedup (pooled plain time per token / pooled speculative time per token) and whether the outputs
+are identical. In bfloat16 an output may differ on a near-tie (see `hf_chainflow.bench`); float32 is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+DEMO_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
+    "Explain in three sentences why the sky is blue.",
+    "Translate into French: \"The weather is lovely today, so we are going for a walk in the park.\"",
+)
+
+
+def _silent_streamer(tokenizer):
+    """A `TextStreamer` that decodes like the printing one but prints nothing (fair timing of the plain runs)."""
+    from transformers import TextStreamer
+
+    class SilentStreamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            pass
+
+    return SilentStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str = "tree", max_new_tokens: int = 96,
+             print_fn=print) -> dict:
+    """Stream speculative generations of `prompts`, then time plain generation of the same prompts.
+
+    `drafter` must be bound to `target`; `mode` is `"chain"` or `"tree"` (the shape stays the drafter's
+    `generation_config`). Returns `{"tau", "speedup", "identical", "speculative_seconds", "plain_seconds", ...}`.
+    """
+    from transformers import TextStreamer
+
+    from .stats import SpeculativeStats
+
+    if mode not in ("chain", "tree"):
+        raise ValueError(f"`--mode` must be 'chain' or 'tree', got {mode!r}.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`--max-new-tokens` must be a positive integer, got {max_new_tokens!r}.")
+    if not prompts:
+        raise ValueError("`prompts` is empty: give at least one prompt.")
+    drafter.generation_config.draft_mode = mode
+    gen = target.generation_config
+    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+
+    def generate(ids, n, **kw):
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                  eos_token_id=gen.eos_token_id, pad_token_id=gen.pad_token_id, **kw)
+            return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
+
+    generate(encoded[0], 4)  # warm-up, both paths
+    generate(encoded[0], 4, assistant_model=drafter)
+
+    spec, plain, pooled = [], [], SpeculativeStats(mode=mode, loop="chainflow")
+    for i, (text, ids) in enumerate(zip(prompts, encoded), 1):
+        print_fn(f"\n[{i}/{len(prompts)}] {text}\n")
+        tokens, seconds = generate(ids, max_new_tokens, assistant_model=drafter,
+                                   streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+        stats = drafter.last_stats
+        pooled.accepted += stats.accepted
+        pooled.drafted_depth += stats.drafted_depth
+        spec.append((tokens, seconds))
+        print_fn(f"  ({len(tokens)} tokens, {len(tokens) / seconds:.1f} tok/s, tau {stats.tau:.2f})")
+    print_fn("\nplain generation of the same prompts for comparison ...")
+    for ids in encoded:
+        plain.append(generate(ids, max_new_tokens, streamer=_silent_streamer(tokenizer)))
+
+    spec_rate = sum(len(t) for t, _ in spec) / sum(s for _, s in spec)
+    plain_rate = sum(len(t) for t, _ in plain) / sum(s for _, s in plain)
+    identical = [a[0] == b[0] for a, b in zip(spec, plain)]
+    summary = {"mode": mode, "dtype": str(target.dtype).replace("torch.", ""), "tau": pooled.tau,
+               "acceptance_per_depth": pooled.acceptance_per_depth(), "speculative_tokens_per_second": spec_rate,
+               "plain_tokens_per_second": plain_rate, "speedup": spec_rate / plain_rate,
+               "identical": identical, "speculative_seconds": sum(s for _, s in spec),
+               "plain_seconds": sum(s for _, s in plain)}
+    print_fn(f"\n{mode} drafting in {summary['dtype']}: tau {pooled.tau:.2f} tokens per target forward, "
+             f"{spec_rate:.1f} tok/s vs plain {plain_rate:.1f} tok/s -> speedup {summary['speedup']:.2f}x; "
+             f"outputs identical to plain generation on {sum(identical)}/{len(identical)} prompts"
+             + ("" if all(identical) or summary["dtype"] == "float32" else
+                " (bfloat16: multi-token scoring rounds differently and can flip near-ties)"))
+    return summary
+
+
+def add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="Stream speculative generations on the embedded default model and drafter.",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
+    p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
+    p.add_argument("--mode", choices=("chain", "tree"), default="tree")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 3 built-in prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
+    p.set_defaults(func=run_demo_command)
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from . import ChainFlowDrafter
+    from .checkpoints import default_drafter_path
+    from .cli import load_model_and_tokenizer
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"`--threads` must be a positive integer, got {args.threads!r}.")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    path = args.drafter_path or default_drafter_path()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    target, tokenizer = load_model_and_tokenizer(args.target, dtype)
+    drafter = ChainFlowDrafter.from_pretrained(path, target=target, dtype=torch.float32).eval()
+    run_demo(target, tokenizer, drafter, args.prompt or DEMO_PROMPTS, mode=args.mode,
+             max_new_tokens=args.max_new_tokens)
+    return 0
+
+
+__all__ = ["DEMO_PROMPTS", "add_demo_parser", "run_demo"]
