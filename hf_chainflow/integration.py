@@ -16,7 +16,8 @@ from __future__ import annotations
 import copy
 import functools
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from .candidate_generator import ChainFlowCandidateGenerator
@@ -164,8 +165,20 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
     own = needs_own_loop(self, assistant_model, config, stopping_criteria)
     validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
     if own:
-        return call(custom_generate=speculative_generate, drafter=assistant_model, chainflow_streamer=streamer,
-                    **kwargs)
+        if config.stop_strings is not None:
+            # transformers drops `tokenizer` for `custom_generate` callables, so build the criterion here.
+            tokenizer = kwargs.pop("tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("`stop_strings` needs the model's tokenizer: pass `tokenizer=` to `generate`.")
+            stop = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
+            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
+            kwargs["stop_strings"] = None
+        return _original_generate(
+            self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+            synced_gpus, negative_prompt_ids=negative_prompt_ids,
+            negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=speculative_generate,
+            drafter=assistant_model, chainflow_streamer=streamer, **kwargs,
+        )
     return call(assistant_model=assistant_model, streamer=streamer, **kwargs)
 
 

@@ -1,0 +1,257 @@
+"""Everything `generate` users rely on keeps working with a ChainFlow drafter; bad input gets a clear error;
+other `generate` calls are untouched."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerationMixin
+
+import hf_chainflow
+from hf_chainflow import ChainFlowCandidateGenerator, ChainFlowConfig, ChainFlowDrafter
+from hf_chainflow.testing import OracleDrafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return tiny_target("qwen3_5")
+
+
+def drafter_for(target, **overrides):
+    cfg = ChainFlowConfig.for_target(target.config, num_blocks=1, num_heads=4, path_hidden_size=32, markov_rank=16,
+                                     **overrides)
+    torch.manual_seed(0)
+    return ChainFlowDrafter(cfg).eval().bind_target(target)
+
+
+PROMPT = torch.tensor([[5, 17, 99, 42, 7, 130, 64]])
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens += value.reshape(-1).tolist()
+
+    def end(self):
+        self.ended = True
+
+
+class StopOnToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def word_tokenizer(vocab_size=256):
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    vocab["abcdef"] = vocab_size  # transformers' StopStringCriteria probes the vocabulary with this prefix
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0", eos_token="w2")
+
+
+# ---------------------------------------------------------------------------------------------- generate features
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_max_length_eos_streamer_and_dict(family, mode, request):
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    drafter = OracleDrafter(target, error_rate=0.0)
+    drafter.generation_config.draft_mode = mode
+    drafter.generation_config.num_assistant_tokens = 8
+    drafter.generation_config.tree_width, drafter.generation_config.tree_depth = 4, 8
+    # max_new_tokens reached inside a draft
+    for n in (1, 2, 5, 11):
+        ref = target.generate(PROMPT, max_new_tokens=n, do_sample=False)
+        out = target.generate(PROMPT, max_new_tokens=n, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, ref) and out.shape[1] == PROMPT.shape[1] + n
+    # EOS inside a draft: make the 4th greedy token the EOS
+    free = target.generate(PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    eos = int(free[0, PROMPT.shape[1] + 3])
+    ref = target.generate(PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    out = target.generate(PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=eos, assistant_model=drafter)
+    assert torch.equal(out, ref) and int(out[0, -1]) == eos
+    # streamer sees the same tokens; return_dict_in_generate gives sequences
+    s_ref, s_out = Collect(), Collect()
+    target.generate(PROMPT, max_new_tokens=10, do_sample=False, streamer=s_ref)
+    res = target.generate(PROMPT, max_new_tokens=10, do_sample=False, streamer=s_out, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert s_out.tokens == s_ref.tokens and s_out.ended
+    assert torch.equal(res.sequences[0], torch.tensor(s_ref.tokens))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_stopping_criteria_and_stop_strings(family, request):
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    drafter = OracleDrafter(target, error_rate=0.0)
+    drafter.generation_config.num_assistant_tokens = 8
+    free = target.generate(PROMPT, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    stop_token = int(free[0, PROMPT.shape[1] + 4])
+    crit = StoppingCriteriaList([StopOnToken(stop_token)])
+    ref = target.generate(PROMPT, max_new_tokens=14, do_sample=False, stopping_criteria=crit)
+    out = target.generate(PROMPT, max_new_tokens=14, do_sample=False, stopping_criteria=crit, assistant_model=drafter)
+    assert torch.equal(out, ref) and int(out[0, -1]) == stop_token
+    assert drafter.last_stats.loop == "chainflow"
+    tok = word_tokenizer()
+    stop = f"w{stop_token}"
+    ref = target.generate(PROMPT, max_new_tokens=14, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    out = target.generate(PROMPT, max_new_tokens=14, do_sample=False, stop_strings=[stop], tokenizer=tok,
+                          assistant_model=drafter)
+    assert torch.equal(out, ref)
+    assert out.shape[1] < free.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
+    """Exact distribution of generated tokens 2 and 3 under temperature + top-p sampling."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    warp = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]
+
+    def probs(ids):
+        logits = target(ids).logits[:, -1].float()
+        for w in warp:
+            logits = w(ids, logits)
+        return torch.softmax(logits, -1)[0]
+
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    with torch.no_grad():
+        p1 = probs(prompt)
+        for a in p1.nonzero()[:, 0].tolist():
+            ids_a = torch.cat([prompt, torch.tensor([[a]])], 1)
+            p2 = probs(ids_a)
+            for b in p2.nonzero()[:, 0].tolist():
+                p3 = probs(torch.cat([ids_a, torch.tensor([[b]])], 1))
+                joint[b] += p1[a].double() * p2[b].double() * p3.double()
+    return joint / joint.sum()
+
+
+@pytest.mark.parametrize("family,drafter_kind", [("llama", "chainflow"), ("llama", "oracle"),
+                                                 ("qwen3_5", "oracle")])
+def test_sampling_keeps_target_distribution(family, drafter_kind):
+    vocab = 12
+    target = tiny_target(family, vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.4)  # moderate peakedness: several tokens matter
+    if drafter_kind == "oracle":
+        drafter = OracleDrafter(target, error_rate=0.5, seed=1)
+    else:
+        drafter = drafter_for(target, candidate_budget=8)
+    drafter.generation_config.num_assistant_tokens = 2
+    prompt = torch.tensor([[3, 7, 5, 9]])
+    temperature, top_p = 0.8, 0.9
+    exact = exact_pair_distribution(target, prompt, temperature, top_p, vocab)
+    n = 2000
+    torch.manual_seed(0)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    accepted = 0
+    for _ in range(n):
+        out = target.generate(prompt, max_new_tokens=3, do_sample=True, temperature=temperature, top_p=top_p,
+                              top_k=0, assistant_model=drafter, eos_token_id=None, pad_token_id=0)
+        counts[out[0, -2], out[0, -1]] += 1
+        accepted += sum(drafter.last_stats.accepted)
+    empirical = counts / n
+    tv = 0.5 * (empirical - exact).abs().sum().item()
+    # Null: the TV of n exact samples from `exact`, over 30 simulated draws; tolerance = 1.5x its maximum.
+    gen = torch.Generator().manual_seed(1)
+    null = []
+    for _ in range(30):
+        draw = torch.multinomial(exact.reshape(-1).float(), n, replacement=True, generator=gen)
+        emp = torch.bincount(draw, minlength=vocab * vocab).double() / n
+        null.append(0.5 * (emp - exact.reshape(-1)).abs().sum().item())
+    assert accepted > 0, "no draft token was ever accepted: the test would not exercise rejection sampling"
+    assert tv < 1.5 * max(null), (tv, max(null))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_bad_inputs_raise_clear_errors(llama):
+    drafter = drafter_for(llama)
+    before = dict(drafter.generation_config.to_dict())
+    cases = [
+        (dict(num_beams=2), "num_beams"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+        (dict(cache_implementation="static"), "cache_implementation"),
+        (dict(do_sample=True, _tree=True), "greedy-only"),
+    ]
+    for kwargs, needle in cases:
+        tree = kwargs.pop("_tree", False)
+        drafter.generation_config.draft_mode = "tree" if tree else "chain"
+        with pytest.raises(ValueError, match=needle):
+            llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter, **kwargs)
+    drafter.generation_config.draft_mode = "chain"
+    with pytest.raises(ValueError, match="batch size 1"):
+        llama.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.draft_mode = "beam"
+    with pytest.raises(ValueError, match="draft_mode"):
+        llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.draft_mode = "chain"
+    drafter.generation_config.num_assistant_tokens = 9
+    with pytest.raises(ValueError, match="at most 8 positions"):
+        llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.num_assistant_tokens = before["num_assistant_tokens"]
+    # nothing else changed: the drafter's settings are as before and generation still works and is lossless
+    assert drafter.generation_config.to_dict() == before
+    ref = llama.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    assert torch.equal(llama.generate(PROMPT, max_new_tokens=6, do_sample=False, assistant_model=drafter), ref)
+
+
+def test_unbound_and_mismatched_drafters(llama):
+    unbound = ChainFlowDrafter(ChainFlowConfig.for_target(llama.config, num_blocks=1, num_heads=4)).eval()
+    with pytest.raises(ValueError, match="not bound"):
+        llama.generate(PROMPT, max_new_tokens=4, assistant_model=unbound)
+    other = tiny_target("qwen3", hidden_size=32)
+    with pytest.raises(ValueError, match="mismatched: \\['hidden_size'"):
+        unbound.bind_target(other)
+    assert not unbound.is_bound  # a refused bind leaves the drafter unbound
+    wrong_vocab = tiny_target("llama", vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size"):
+        unbound.bind_target(wrong_vocab)
+    twin = tiny_target("llama", seed=5)  # same fingerprint, another model object
+    bound_to_twin = drafter_for(twin)
+    with pytest.raises(ValueError, match="bound to another target"):
+        llama.generate(PROMPT, max_new_tokens=4, assistant_model=bound_to_twin)
+
+
+def test_unsupported_attention_in_own_loop():
+    target = tiny_target("llama")
+    target.config._attn_implementation = "flex_attention"
+    drafter = drafter_for(target)
+    drafter.generation_config.draft_mode = "tree"
+    with pytest.raises(ValueError, match="attention implementation"):
+        target.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
+
+
+# ---------------------------------------------------------------------------------------------- untouched
+def test_other_generate_calls_are_untouched(llama):
+    assert getattr(GenerationMixin.generate, "_chainflow", False)
+    ref = hf_chainflow.integration._original_generate(llama, PROMPT, max_new_tokens=10, do_sample=False)
+    assert torch.equal(llama.generate(PROMPT, max_new_tokens=10, do_sample=False), ref)
+    assert torch.equal(llama.generate(PROMPT, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3), ref)
+    seen = []
+    original = hf_chainflow.integration._original_get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        gen = hf_chainflow.integration._get_candidate_generator(self, *args, **kwargs)
+        seen.append(type(gen))
+        return gen
+
+    assistant = tiny_target("llama", num_layers=1, seed=9)
+    GenerationMixin._get_candidate_generator = spy
+    try:
+        out = llama.generate(PROMPT, max_new_tokens=10, do_sample=False, assistant_model=assistant)
+        llama.generate(PROMPT, max_new_tokens=10, do_sample=False, assistant_model=drafter_for(llama))
+    finally:
+        GenerationMixin._get_candidate_generator = hf_chainflow.integration._get_candidate_generator
+    assert torch.equal(out, ref)
+    assert seen == [AssistedCandidateGenerator, ChainFlowCandidateGenerator]
+    assert original is not hf_chainflow.integration._get_candidate_generator
