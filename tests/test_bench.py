@@ -1,0 +1,212 @@
+"""`hf-chainflow bench` / `demo` on tiny random targets: results fields, exactness in float32, the mismatch
+classifier (hand-made logits and a deliberately wrong arm), plots, and both commands through the CLI."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
+from hf_chainflow.bench import (
+    Arm,
+    BenchPrompt,
+    _parse_extra_drafters,
+    _parse_tree,
+    build_arms,
+    classify_divergence,
+    first_divergence,
+    run_bench,
+    stratified_selection,
+    write_results,
+)
+from hf_chainflow.testing import OracleDrafter, tiny_target
+
+from _windows import one_thread
+
+DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
+           "path_hidden_size": 16, "markov_rank": 8}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+
+def test_classify_divergence_hand_made_logits():
+    logits = torch.zeros(10)
+    logits[3], logits[7], logits[5] = 12.0, 11.875, 4.0
+    tie = classify_divergence(logits, 3, 7, "bfloat16", tolerance=0.25)
+    assert tie["kind"] == "near_tie" and tie["gap"] == pytest.approx(0.125) and tie["reference_top"] == 3
+    # The reference may itself rank the arm's token first: still a tie when the gap is small.
+    assert classify_divergence(logits, 7, 3, "bfloat16", tolerance=0.25)["kind"] == "near_tie"
+    wrong = classify_divergence(logits, 3, 5, "bfloat16", tolerance=0.25)
+    assert wrong["kind"] == "unexplained" and wrong["gap"] == pytest.approx(8.0)
+    # float32 is exact: even a tiny gap is a bug.
+    assert classify_divergence(logits, 3, 7, "float32", tolerance=0.25)["kind"] == "unexplained"
+    # One output ended where the other went on.
+    assert classify_divergence(logits, 3, None, "bfloat16")["kind"] == "unexplained"
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_stratified_selection_covers_every_domain():
+    rows = [{"id": f"a{i}", "domain": "a"} for i in range(5)] + [{"id": f"b{i}", "domain": "b"} for i in range(2)]
+    rows += [{"id": "c0", "domain": "c"}]
+    picked = stratified_selection(rows, 4)
+    assert [r["id"] for r in picked] == ["a0", "b0", "c0", "a1"]
+    assert len(stratified_selection(rows, 100)) == len(rows)
+    with pytest.raises(ValueError, match="--limit"):
+        stratified_selection(rows, 0)
+
+
+def test_argument_parsers():
+    assert _parse_tree("8x4") == (8, 4)
+    with pytest.raises(ValueError, match="WIDTHxDEPTH"):
+        _parse_tree("8x")
+    assert _parse_extra_drafters(["flashmap=/x/y"]) == {"flashmap": "/x/y"}
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        _parse_extra_drafters(["flashmap"])
+
+
+# ------------------------------------------------------------------------------------- bench on tiny targets
+
+def _wrong_arm(dtype: str, position: int = 3) -> Arm:
+    """Plain greedy, except that new token `position` is replaced by the least likely token (a bug on purpose)."""
+
+    def fn(model, input_ids, kwargs):
+        out = model.generate(input_ids, **kwargs)
+        p = input_ids.shape[1] + position
+        logits = model(input_ids=out[:, :p]).logits[0, -1]
+        out = out.clone()
+        out[0, p] = int(logits.argmin())
+        return out[:, : p + 1]
+
+    return Arm("wrong", "custom", dtype, fn=fn)
+
+
+def _prompts(vocab: int) -> list[BenchPrompt]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(4):
+        ids = torch.randint(3, vocab, (1, 10), generator=g)
+        if i % 2:  # repetitive prompts give prompt lookup something to find
+            ids = ids[:, :5].repeat(1, 3)
+        out.append(BenchPrompt(f"p{i}", "code" if i < 2 else "math", ids))
+    return out
+
+
+def test_run_bench_tiny_target(tmp_path):
+    target = tiny_target("llama", num_layers=2)
+    models = {"float32": target, "bfloat16": copy.deepcopy(target).to(torch.bfloat16)}
+    drafters = {"oracle": {dt: OracleDrafter(m, error_rate=0.3) for dt, m in models.items()}}
+    arms = build_arms(list(models), {"oracle": drafters["oracle"]["float32"]}, pld_tokens=4, tree=(3, 3),
+                      default_drafter="oracle")
+    arms += [_wrong_arm("float32"), _wrong_arm("bfloat16")]
+    prompts = _prompts(target.config.vocab_size)
+    results = run_bench(models, prompts, arms, drafters, max_new_tokens=12, warmup=prompts[0], eos_token_id=None,
+                        pad_token_id=0, progress=False)
+    paths = write_results(results, tmp_path)
+
+    loaded = json.loads(paths["json"].read_text())
+    assert set(loaded) >= {"arms", "settings", "machine"}
+    keys = {"ar@float32", "pld@float32", "chain@float32", "tree@float32", "ar@bfloat16", "pld@bfloat16",
+            "chain@bfloat16", "tree@bfloat16", "wrong@float32", "wrong@bfloat16"}
+    assert set(loaded["arms"]) == keys
+    for key, a in loaded["arms"].items():
+        for field in ("dtype", "tokens_per_second", "speedup", "speedup_vs_fastest_ar", "tau", "mismatches",
+                      "unexplained_mismatches", "per_domain"):
+            assert field in a, (key, field)
+        assert a["dtype"] == key.split("@")[1]
+        assert set(a["per_domain"]) == {"code", "math"}
+        assert {"speedup", "tau"} <= set(a["per_domain"]["code"])
+    arms_out = loaded["arms"]
+    for dt in models:  # the baseline
+        assert arms_out[f"ar@{dt}"]["speedup"] == pytest.approx(1.0) and arms_out[f"ar@{dt}"]["tau"] == 1.0
+    # float32 is exact for every real arm; the drafter arms' tau and acceptance come from last_stats.
+    for name in ("pld", "chain", "tree"):
+        assert arms_out[f"{name}@float32"]["mismatches"] == 0
+        assert arms_out[f"{name}@float32"]["unexplained_mismatches"] == 0
+        assert arms_out[f"{name}@float32"]["tau"] >= 1.0
+    assert len(arms_out["tree@float32"]["acceptance_per_depth"]) == 3
+    assert len(arms_out["chain@float32"]["acceptance_per_depth"]) == 3  # the oracle's num_assistant_tokens
+    assert arms_out["chain@float32"]["draft_time_per_round"] > 0
+    assert loaded["settings"]["arms"]["tree@float32"]["tree_width"] == 3
+    # bfloat16 differences are classified; none of the real arms may be unexplained.
+    for name in ("pld", "chain", "tree"):
+        a = arms_out[f"{name}@bfloat16"]
+        assert a["near_ties"] + a["unexplained_mismatches"] == a["mismatches"]
+        assert a["unexplained_mismatches"] == 0, a["mismatch_details"]
+    # The deliberately wrong arm is flagged in both dtypes, at the position it was broken.
+    for dt in models:
+        wrong = arms_out[f"wrong@{dt}"]
+        assert wrong["unexplained_mismatches"] == len(prompts)
+        assert all(d["position"] == 3 for d in wrong["mismatch_details"])
+    assert paths["speedup_png"].stat().st_size > 0 and paths["acceptance_png"].stat().st_size > 0
+    assert "| tree | float32 |" in paths["md"].read_text()
+
+
+def test_run_bench_rejects_a_missing_baseline():
+    target = tiny_target("llama", num_layers=2)
+    arms = [Arm("pld", "pld", "float32", settings={"prompt_lookup_num_tokens": 2})]
+    with pytest.raises(ValueError, match="baseline"):
+        run_bench({"float32": target}, _prompts(target.config.vocab_size), arms, progress=False)
+
+
+# ------------------------------------------------------------------------------- both commands via the CLI
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer (chat template) and a random drafter, saved."""
+    from hf_chainflow.targets import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer()
+    except ValueError as err:  # the GGUF package is not installed
+        pytest.skip(str(err))
+    tmp = tmp_path_factory.mktemp("bench")
+    target = tiny_target("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2)
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target.generation_config.pad_token_id = tokenizer.pad_token_id
+    target.save_pretrained(tmp / "target")
+    tokenizer.save_pretrained(tmp / "target")
+    torch.manual_seed(0)
+    drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER))
+    drafter.generation_config.tree_width, drafter.generation_config.tree_depth = 3, 2
+    drafter.save_pretrained(tmp / "drafter")
+    return tmp
+
+
+def test_bench_command(saved, capsys):
+    from hf_chainflow.cli import main
+
+    out = saved / "run"
+    assert main(["bench", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"),
+                 "--drafter", f"other={saved / 'drafter'}", "--arms", "ar,pld,tree,other-chain", "--limit", "2",
+                 "--max-new-tokens", "6", "--threads", "1", "--output-dir", str(out), "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "other-chain")
+                                    for dt in ("float32", "bfloat16")}
+    assert results["settings"]["num_prompts"] == 2 and len(results["domains"]) == 2  # stratified
+    assert results["arms"]["tree@float32"]["settings"] == {"tree_width": 3, "tree_depth": 2}
+    for key, a in results["arms"].items():
+        if a["dtype"] == "float32":
+            assert a["unexplained_mismatches"] == 0, a["mismatch_details"]
+    assert (out / "results.md").is_file() and (out / "speedup_per_domain.png").is_file()
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_demo_command(saved, capsys):
+    from hf_chainflow.cli import main
+
+    assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
+                 "float32", "--prompt", "Say hi.", "--max-new-tokens", "5", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "tau" in text and "speedup" in text and "identical to plain generation on 1/1 prompts" in text
