@@ -201,7 +201,9 @@ class ChainFlowPathHead(nn.Module):
 
     def forward(self, parent_embeds, states):
         """`parent_embeds` `(..., p, D)`, `states` `(..., D)` -> correction `(..., D)`."""
-        x = torch.einsum("...pd,pdr->...r", parent_embeds, self.offset_proj) + self.state_proj(states)  # (..., R)
+        p, D, R = self.offset_proj.shape
+        flat = parent_embeds.reshape(*parent_embeds.shape[:-2], p * D)  # (..., p*D)
+        x = flat @ self.offset_proj.reshape(p * D, R) + self.state_proj(states)  # (..., R): sum of per-offset maps
         return self.out(self.mlp(x))
 
 
@@ -216,7 +218,7 @@ class ChainFlowMarkovHead(nn.Module):
     def forward(self, prev_index, rows=None):
         """`prev_index` `(...)` indices into the draft vocabulary (+1 "other" row) -> bias `(..., S or M)`."""
         u2 = self.u2 if rows is None else self.u2[rows]
-        return self.u1(prev_index) @ u2.T
+        return F.linear(self.u1(prev_index), u2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -499,10 +501,10 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         Returns `(..., S or M)`.
         """
         W = self.draft_head_weight() if weight is None else weight
-        logits = head_logits if head_logits is not None else states @ W.T
+        logits = head_logits if head_logits is not None else F.linear(states, W)
         if self.path_head is not None:
             r = self.path_head(self._embed(parents), states)  # (..., D)
-            logits = logits + r @ W.T
+            logits = logits + F.linear(r, W)
         if self.markov_head is not None:
             logits = logits + self.markov_head(self._token_to_draft_index(parents[..., -1]), markov_rows)
         return logits
@@ -565,13 +567,13 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         traj = self.integrate(z0, ctx_mean, context_mask, cfg.train_flow_steps, return_trajectory=True)  # (B,N,K,Z)
         N = traj.shape[1]
         predicted = self.decode(traj.reshape(B * N, K, -1)).reshape(B, N, K, D)
-        final = predicted[:, -1]  # (B, K, D)
+        final = predicted[:, -1].contiguous()  # (B, K, D); contiguous so the head products fold into one GEMM
 
         # 4. Heads with teacher-forced parents.
         p = cfg.path_order
         parents = prev_tokens.unfold(1, p, 1)  # (B, K, p)
         W = self.draft_head_weight()  # (S, D)
-        marginal = final @ W.T  # (B, K, S)
+        marginal = F.linear(final, W)  # (B, K, S)
         logits = self.feedback_logits(final, parents, head_logits=marginal)
         corrected = final
         if self.path_head is not None:
@@ -636,8 +638,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         W = self.draft_head_weight()
         M = self.config.candidate_budget
         if W.shape[0] <= M:
-            return None, states @ W.T  # every row is a candidate; (K, S)
-        scores = states @ W.T  # (K, S)
+            return None, F.linear(states, W)  # every row is a candidate; (K, S)
+        scores = F.linear(states, W)  # (K, S)
         rows = scores.max(0).values.topk(M).indices  # (M,)
         return rows, scores[:, rows]  # (M,), (K, M)
 
