@@ -1,0 +1,221 @@
+"""ChainFlowConfig validation, drafter shapes, Hub-format save/load, target binding, variants, alignment."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel
+
+import hf_chainflow  # noqa: F401  (registers the `chainflow` model type)
+from hf_chainflow import ChainFlowConfig, ChainFlowDrafter, DraftTree
+from hf_chainflow.testing import tiny_target
+
+SMALL = dict(num_blocks=1, num_heads=4, path_hidden_size=32, markov_rank=16)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def context(target):
+    ids = torch.randint(3, 256, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    return ids, hidden
+
+
+def make(target, **overrides):
+    torch.manual_seed(0)
+    return ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **{**SMALL, **overrides})).eval()
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(source="gaussian"), "`source` must be one of"),
+    (dict(feedback="path"), "`feedback` must be one of"),
+    (dict(attention="sliding"), "`attention` must be one of"),
+    (dict(num_blocks=0), "`num_blocks` must be a positive integer, got 0"),
+    (dict(num_experts=3), r"`num_draft_positions` \(8\) must be divisible by `num_experts` \(3\)"),
+    (dict(num_heads=5), r"`flow_hidden_size` \(144\) must be divisible by `num_heads` \(5\)"),
+    (dict(use_vae=False, latent_size=100), "latent_size` must equal `target_hidden_size`"),
+    (dict(context_size=20), "at most `vae_window`"),
+    (dict(source="extrapolate", context_size=1), "needs two context latents"),
+    (dict(shortlist=[]), "at least one token id"),
+    (dict(shortlist=[1, 60000]), r"ids must lie in \[0, vocab_size=49152\)"),
+    (dict(candidate_budget=-1), "`candidate_budget` must be a positive integer"),
+])
+def test_config_validation_errors(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        ChainFlowConfig(**kwargs)
+
+
+def test_config_defaults_and_for_target(target):
+    cfg = ChainFlowConfig()
+    assert (cfg.latent_size, cfg.context_size, cfg.num_draft_positions, cfg.num_experts, cfg.num_blocks) == (
+        576 // 4, 8, 8, 2, 8)
+    assert cfg.expert_size == 4 and cfg.source == "extrapolate" and cfg.feedback == "markov+path"
+    cfg = ChainFlowConfig.for_target(target.config, num_blocks=3)
+    assert cfg.target_hidden_size == 64 and cfg.vocab_size == 256 and cfg.latent_size == 16
+    assert cfg.target_fingerprint()["model_type"] == "llama" and cfg.num_blocks == 3
+    with pytest.raises(ValueError, match="integer `hidden_size` and `vocab_size`"):
+        ChainFlowConfig.for_target(object())
+
+
+# ---------------------------------------------------------------------------------------------------- shapes
+def test_training_forward_shapes(target):
+    drafter = make(target).bind_target(target).train()
+    B, C, K, p, D = 3, 8, 8, 8, 64
+    out = drafter(context_states=torch.randn(B, C, D), target_states=torch.randn(B, K, D),
+                  target_tokens=torch.randint(0, 256, (B, K)), prev_tokens=torch.randint(0, 256, (B, p - 1 + K)))
+    Z, N = drafter.config.latent_size, drafter.config.train_flow_steps
+    assert out.velocity.shape == out.velocity_target.shape == (B, K, Z)
+    assert out.predicted_states.shape == (B, N, K, D) and out.corrected_states.shape == (B, K, D)
+    assert out.logits.shape == out.marginal_logits.shape == (B, K, 256) and out.labels.shape == (B, K)
+    assert out.reconstructed_states.shape == (B, C + K, D) and out.kl.dim() == 0
+    loss = out.logits.logsumexp(-1).mean() + out.velocity.pow(2).mean()
+    loss.backward()
+    assert all(p.grad is not None for n, p in drafter.named_parameters() if n.startswith("velocity"))
+    assert target.lm_head.weight.grad is None  # the target is never trained through the drafter
+
+
+def test_chain_and_tree_shapes(target, context):
+    ids, hidden = context
+    drafter = make(target).bind_target(target)
+    chain = drafter.draft(hidden, ids, mode="chain", num_tokens=5)
+    assert isinstance(chain, DraftTree) and chain.num_nodes == 5 and chain.is_chain
+    assert chain.depths.tolist() == [1, 2, 3, 4, 5]
+    tree = drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4)
+    assert tree.num_nodes == 6 * 4 and tree.max_depth == 4
+    assert all(tree.parents[i] < i for i in range(tree.num_nodes))
+    for i in range(tree.num_nodes):  # parent is one level up; root children at depth 1
+        parent = int(tree.parents[i])
+        assert int(tree.depths[i]) == (1 if parent < 0 else int(tree.depths[parent]) + 1)
+    # cumulative log-probabilities: each level's kept nodes are the best W among its candidates
+    assert torch.isfinite(tree.logprobs).all() and (tree.logprobs <= 0).all()
+    sampled = drafter.draft(hidden, ids, mode="chain", num_tokens=3, do_sample=True)
+    assert sampled.draft_probs.shape == (3, 256)
+    assert torch.allclose(sampled.draft_probs.sum(-1), torch.ones(3), atol=1e-5)
+    q_of_token = sampled.draft_probs.gather(1, sampled.tokens[:, None])[:, 0]
+    assert (q_of_token > 0).all()
+    with pytest.raises(ValueError, match="tree_depth"):
+        drafter.draft(hidden, ids, mode="tree", tree_width=2, tree_depth=9)
+    with pytest.raises(ValueError, match="greedy-only"):
+        drafter.draft(hidden, ids, mode="tree", do_sample=True)
+
+
+def test_one_drafter_pass_per_round(target, context):
+    """Whatever the draft shape, the flow runs once per round; only the feedback heads run per node."""
+    ids, hidden = context
+    drafter = make(target).bind_target(target)
+    calls = {"velocity": 0, "path": 0}
+    h1 = drafter.velocity.register_forward_hook(lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
+    h2 = drafter.path_head.register_forward_hook(lambda *a: calls.__setitem__("path", calls["path"] + 1))
+    drafter.draft(hidden, ids, mode="tree", tree_width=8, tree_depth=4)
+    h1.remove(), h2.remove()
+    assert calls == {"velocity": drafter.config.num_flow_steps, "path": 4}  # one batched call per level
+
+
+# ---------------------------------------------------------------------------------------------------- save/load
+def test_save_load_round_trip(target, context, tmp_path):
+    ids, hidden = context
+    drafter = make(target, shortlist=list(range(3, 200)), candidate_budget=64).bind_target(target)
+    with torch.no_grad():  # make every head active so the round trip covers them
+        drafter.markov_head.u2.normal_(std=0.1)
+        drafter.path_head.out.weight.normal_(std=0.1)
+    drafter.generation_config.tree_width = 5
+    drafter.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        saved = {k: f.get_tensor(k) for k in keys}
+    assert not any("lm_head" in k or "embed_tokens" in k for k in keys)
+    assert all(t.shape != target.lm_head.weight.shape for t in saved.values())  # no copy of W or E
+    assert json.load(open(tmp_path / "config.json"))["model_type"] == "chainflow"
+    assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "ChainFlowConfig"
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(loaded, ChainFlowDrafter) and not loaded.is_bound
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    assert torch.equal(loaded.shortlist_ids, drafter.shortlist_ids)
+    loaded = ChainFlowDrafter.from_pretrained(tmp_path, target=target).eval()
+    assert loaded.generation_config.tree_width == 5
+    for mode in ("chain", "tree"):
+        a = drafter.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
+        b = loaded.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert torch.allclose(a.logprobs, b.logprobs)
+
+
+def test_binding_errors(target, context, tmp_path):
+    ids, hidden = context
+    drafter = make(target)
+    with pytest.raises(ValueError, match="not bound"):
+        drafter.draft(hidden, ids)
+    with pytest.raises(ValueError, match="not bound"):
+        drafter(context_states=torch.randn(1, 8, 64), target_states=torch.randn(1, 8, 64),
+                target_tokens=torch.zeros(1, 8, dtype=torch.long), prev_tokens=torch.zeros(1, 15, dtype=torch.long))
+    other = tiny_target("qwen3", hidden_size=32, vocab_size=300)
+    with pytest.raises(ValueError) as err:
+        drafter.bind_target(other)
+    message = str(err.value)
+    assert "'hidden_size': 64" in message and "'hidden_size': 32" in message and "vocab_size" in message
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="mismatched"):
+        ChainFlowDrafter.from_pretrained(tmp_path, target=other)
+
+
+# ---------------------------------------------------------------------------------------------------- variants
+VARIANTS = {
+    "flashmap": dict(source="noise", use_vae=False, attention="bidirectional", feedback="none", num_flow_steps=1,
+                     context_size=1),
+    "source_repeat": dict(source="repeat"),
+    "source_noise": dict(source="noise"),
+    "experts_1": dict(num_experts=1),
+    "experts_4": dict(num_experts=4),
+    "feedback_none": dict(feedback="none"),
+    "feedback_markov": dict(feedback="markov"),
+    "serve_2_steps": dict(num_flow_steps=2),
+    "serve_4_steps": dict(num_flow_steps=4),
+    "bidirectional": dict(attention="bidirectional"),
+    "no_vae": dict(use_vae=False),
+    "shortlist": dict(shortlist=list(range(10, 120)), candidate_budget=32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_builds_trains_and_drafts(name, target, context):
+    ids, hidden = context
+    drafter = make(target, **VARIANTS[name]).bind_target(target)
+    out = drafter(context_states=torch.randn(2, drafter.config.context_size, 64), target_states=torch.randn(2, 8, 64),
+                  target_tokens=torch.randint(0, 256, (2, 8)), prev_tokens=torch.randint(0, 256, (2, 15)))
+    assert out.logits.shape[:2] == (2, 8)
+    drafter.eval()
+    chain = drafter.draft(hidden, ids, mode="chain", num_tokens=3)
+    tree = drafter.draft(hidden, ids, mode="tree", tree_width=4, tree_depth=3)
+    assert chain.num_nodes == 3 and tree.num_nodes == 12
+    if "shortlist" in VARIANTS[name]:
+        allowed = set(VARIANTS[name]["shortlist"])
+        assert set(tree.tokens.tolist()) <= allowed
+
+
+# ---------------------------------------------------------------------------------------------------- alignment
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_oracle_states_reproduce_greedy_continuation(family):
+    """Handed the target's true future states h_{t+1..t+K} (bypassing the flow), the drafter's chain equals the
+    target's greedy continuation x_{t+2..t+K+1}: states and tokens are aligned as SPEC.md says."""
+    tgt = tiny_target(family)
+    drafter = make(tgt).bind_target(tgt)
+    K = drafter.config.num_draft_positions
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    full = tgt.generate(prompt, max_new_tokens=K + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        states = tgt(full, output_hidden_states=True).hidden_states[-1][0]  # (L, D)
+    t = prompt.shape[1]  # committed x_1..x_{t+1}: the prompt plus the bonus token
+    committed = full[0, : t + 1]
+    future = states[t: t + K]  # h_{t+1..t+K} (0-based rows t..t+K-1)
+    chain = drafter.search(future, committed, mode="chain", num_tokens=K)
+    assert chain.tokens.tolist() == full[0, t + 1: t + 1 + K].tolist()
