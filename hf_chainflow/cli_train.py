@@ -127,6 +127,29 @@ def _window_dataset(data_dir, config, **kwargs):
                                   num_parents=config.path_order, **kwargs)
 
 
+def state_statistics(data_dir, max_states: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of the finished
+    shards), for `ChainFlowDrafter.set_state_statistics`."""
+    from safetensors import safe_open
+
+    from hf_chainflow.data import read_manifest, shard_path
+
+    total, sq, count = None, None, 0
+    for shard in read_manifest(data_dir)["finished"]:
+        with safe_open(str(shard_path(data_dir, shard)), framework="pt") as f:
+            h = f.get_tensor("hidden").double()  # (T, D)
+        total = h.sum(0) if total is None else total + h.sum(0)
+        sq = h.pow(2).sum(0) if sq is None else sq + h.pow(2).sum(0)
+        count += h.shape[0]
+        if count >= max_states:
+            break
+    if not count:
+        raise SystemExit(f"train: no finished shard in {data_dir}; run `hf-chainflow prepare` first.")
+    mean = total / count
+    std = (sq / count - mean.pow(2)).clamp(min=1e-6).sqrt()
+    return mean.float(), std.float()
+
+
 def run_train(args: argparse.Namespace) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
@@ -148,6 +171,7 @@ def run_train(args: argparse.Namespace) -> int:
         config = ChainFlowConfig.for_target(target.config, shortlist=read_shortlist(o["data"]), **o["drafter"])
         torch.manual_seed(o["seed"])
         model = ChainFlowDrafter(config).to(dtype).bind_target(target)
+        model.set_state_statistics(*state_statistics(o["data"]))
     config = model.config
     if o["lora"]:
         from hf_chainflow.adapters import add_language_adapter, lora_config

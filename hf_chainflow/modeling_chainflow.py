@@ -319,6 +319,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         self.markov_head = ChainFlowMarkovHead(S + 1, S, config.markov_rank) if config.feedback != "none" else None
         # Draft vocabulary: shortlist ids (S,) and the map vocab id -> draft index (S = "other").
         self.register_buffer("shortlist_ids", shortlist, persistent=False)
+        # Per-dimension statistics of the target's states (set from the training data; saved).
+        self.register_buffer("state_mean", torch.zeros(config.target_hidden_size))
+        self.register_buffer("state_std", torch.ones(config.target_hidden_size))
         self._bound: dict = {}
         self.generation_config = GenerationConfig(
             num_assistant_tokens=3,
@@ -432,14 +435,38 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         return F.embedding(tokens, self._bound["embed"].weight.detach()).to(self.dtype)
 
     # ------------------------------------------------------------------ latent transport
+    def normalize(self, states):
+        """Target states -> standardised states `(h - mean) / std` (per dimension, statistics of the training data)."""
+        return (states - self.state_mean) / self.state_std
+
+    def denormalize(self, states):
+        return states * self.state_std + self.state_mean
+
+    @torch.no_grad()
+    def set_state_statistics(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Set the per-dimension mean and std `(D,)` of the target's states (saved with the drafter).
+
+        Target states have outlier dimensions (means and scales of ~15 next to ~1); the VAE and the flow work on
+        standardised states and the decoder's output is mapped back, so no layer has to learn those scales.
+        """
+        D = self.config.target_hidden_size
+        if mean.shape != (D,) or std.shape != (D,):
+            raise ValueError(f"`mean` and `std` must have shape ({D},), got {tuple(mean.shape)} and {tuple(std.shape)}.")
+        if not bool((std > 0).all()):
+            raise ValueError("`std` must be positive in every dimension.")
+        self.state_mean.copy_(mean.to(self.state_mean))
+        self.state_std.copy_(std.to(self.state_std))
+
     def encode(self, states, mask=None):
-        """Posterior mean and log-variance `(B, T, Z)` (the identity latent without a VAE)."""
+        """Posterior mean and log-variance `(B, T, Z)` of standardised states (identity latent without a VAE)."""
+        x = self.normalize(states)
         if self.vae is None:
-            return states, torch.zeros_like(states)
-        return self.vae.encode(states, mask)
+            return x, torch.zeros_like(x)
+        return self.vae.encode(x, mask)
 
     def decode(self, latents):
-        return latents if self.vae is None else self.vae.decode(latents)
+        """Latents `(B, T, Z)` -> target states `(B, T, D)`."""
+        return self.denormalize(latents if self.vae is None else self.vae.decode(latents))
 
     def source(self, context_latents, context_mask=None):
         """Flow source `z0` `(B, K, Z)` from the context latents `(B, C, Z)`."""

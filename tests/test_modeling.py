@@ -219,3 +219,18 @@ def test_oracle_states_reproduce_greedy_continuation(family):
     future = states[t: t + K]  # h_{t+1..t+K} (0-based rows t..t+K-1)
     chain = drafter.search(future, committed, mode="chain", num_tokens=K)
     assert chain.tokens.tolist() == full[0, t + 1: t + 1 + K].tolist()
+
+
+def test_state_statistics_are_saved_and_validated(target, tmp_path):
+    drafter = make(target)
+    mean, std = torch.randn(64), torch.rand(64) + 0.5
+    drafter.set_state_statistics(mean, std)
+    drafter.save_pretrained(tmp_path)
+    loaded = ChainFlowDrafter.from_pretrained(tmp_path)
+    assert torch.equal(loaded.state_mean, mean) and torch.equal(loaded.state_std, std)
+    h = torch.randn(2, 3, 64)
+    assert torch.allclose(loaded.denormalize(loaded.normalize(h)), h, atol=1e-5)
+    with pytest.raises(ValueError, match="must have shape"):
+        drafter.set_state_statistics(torch.zeros(3), torch.ones(3))
+    with pytest.raises(ValueError, match="positive"):
+        drafter.set_state_statistics(torch.zeros(64), torch.zeros(64))
