@@ -156,6 +156,10 @@ class ChainFlowExpert(nn.Module):
         )
         self.norm = nn.LayerNorm(H)
         self.out_proj = nn.Linear(H, Z)
+        # A network narrower than the latent cannot pass its input through at full rank; a full-rank linear skip
+        # lets it (e.g. cancel a noise source, whose ideal velocity contains `-z0`). Initialised in `_init_weights`.
+        self.skip = nn.Linear(Z, Z, bias=False) if H < Z else None
+        self.source_is_noise = config.source == "noise"
         self.is_causal = config.attention == "causal"
 
     def forward(self, z, s, context, context_mask):
@@ -165,7 +169,8 @@ class ChainFlowExpert(nn.Module):
         ctx = self.ctx_proj(context)  # (B, C, H)
         for block in self.blocks:
             x = block(x, is_causal=self.is_causal, context=ctx, context_mask=context_mask)
-        return self.out_proj(self.norm(x))
+        v = self.out_proj(self.norm(x))
+        return v if self.skip is None else v + self.skip(z)
 
 
 class ChainFlowVelocityNet(nn.Module):
@@ -240,8 +245,9 @@ class ChainFlowDrafterOutput(ModelOutput):
     marginal_logits (`(B, K, S)`): `W_S h_N`.
     logits (`(B, K, S)`): `W_S (h_N + r) + markov` (teacher-forced parents).
     labels (`(B, K)`): true tokens as indices into the draft vocabulary, `-100` where masked or outside it.
-    reconstructed_states (`(B, C + K, D)`): VAE reconstruction of context and target windows (sampled latents).
-    reconstruction_targets (`(B, C + K, D)`), reconstruction_mask (`(B, C + K)`).
+    reconstructed_states (`(B, C + K, D)`): VAE reconstruction of context and target windows (sampled latents),
+        in standardised units (`drafter.normalize`), so every dimension weighs alike in `L_rec`.
+    reconstruction_targets (`(B, C + K, D)`): the standardised states; reconstruction_mask (`(B, C + K)`).
     kl (`()`): mean KL of the VAE posterior to `N(0, I)` per latent element (0 without a VAE).
     """
 
@@ -289,6 +295,10 @@ class ChainFlowPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.dec_pos, std=std)
         if isinstance(module, ChainFlowExpert):
             nn.init.normal_(module.pos_emb, std=std)
+            if module.skip is not None:  # -I for a noise source (v = z1 - z0), 0 otherwise
+                nn.init.zeros_(module.skip.weight)
+                if module.source_is_noise:
+                    module.skip.weight.fill_diagonal_(-1.0)
         if isinstance(module, ChainFlowPathHead):
             nn.init.normal_(module.offset_proj, std=std)
             nn.init.zeros_(module.out.weight)
@@ -574,11 +584,12 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             mean = torch.cat([ctx_mean, tgt_mean], 1)
             logvar = torch.cat([ctx_logvar, tgt_logvar], 1)  # (B, C+K, Z)
             sample = mean + torch.randn_like(mean) * (0.5 * logvar).exp()
-            recon = torch.cat([self.decode(sample[:, : ctx_mean.shape[1]]), self.decode(sample[:, ctx_mean.shape[1]:])], 1)
+            C = ctx_mean.shape[1]
+            recon = torch.cat([self.vae.decode(sample[:, :C]), self.vae.decode(sample[:, C:])], 1)  # standardised
             rmask = torch.cat([context_mask, target_mask], 1)
             kl_el = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean(-1)  # (B, C+K)
             kl = (kl_el * rmask).sum() / rmask.sum().clamp(min=1)
-            recon_targets = torch.cat([context_states, target_states], 1)
+            recon_targets = self.normalize(torch.cat([context_states, target_states], 1))
         else:
             recon = recon_targets = rmask = None
             kl = context_states.new_zeros(())

@@ -112,7 +112,7 @@ def vae_reconstruction_loss(drafter: ChainFlowDrafter, batch: dict, kl_beta: flo
         raise ValueError("This drafter has no VAE (`use_vae=False`): there is nothing to pre-train.")
     recon, targets, masks, kls = [], [], [], []
     for key in ("context", "target"):
-        states = batch[f"{key}_states"].to(drafter.dtype)  # (B, T, D)
+        states = drafter.normalize(batch[f"{key}_states"].to(drafter.dtype))  # (B, T, D), standardised
         mask = batch.get(f"{key}_mask")
         mask = torch.ones(states.shape[:2], dtype=torch.bool, device=states.device) if mask is None else mask.bool()
         mean, logvar = drafter.vae.encode(states, mask)  # (B, T, Z)

@@ -117,7 +117,8 @@ def test_train_logs_every_term_and_saves_only_the_drafter(target, windows, tmp_p
         assert (out / name).is_file(), name
     saved = load_file(str(out / "model.safetensors"))
     assert not [k for k in saved if "lm_head" in k or "embed" in k]
-    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in drafter.parameters())  # no target
+    saved_buffers = drafter.state_mean.numel() + drafter.state_std.numel()  # the standardisation statistics
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in drafter.parameters()) + saved_buffers
     assert json.loads((out / "config.json").read_text())["model_type"] == "chainflow"
     reloaded = ChainFlowDrafter.from_pretrained(str(out), target=target)
     for k, v in drafter.state_dict().items():
