@@ -41,6 +41,7 @@ import json
 import os
 import random
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -291,6 +292,7 @@ def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch
     path = shard_path(out_dir, shard)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "sequences": json.dumps(records)})
+    tmp.chmod(0o644)  # safetensors creates it private; the data is meant to be shared
     os.replace(tmp, path)
 
 
@@ -388,8 +390,12 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                     "pad_token_id": pad, "target": str(model.config.name_or_path),
                     "model_type": model.config.model_type, "domains": sorted({r["domain"] for r in rows}),
                     "languages": sorted({r["language"] for r in rows}), "finished": []}
-    # A shard whose rename completed just before a kill is finished too.
-    finished = set(manifest["finished"]) | {s for s in range(manifest["num_shards"]) if shard_path(out_dir, s).is_file()}
+    # The shard files are the truth: one renamed into place just before a kill is finished; one the manifest
+    # lists but that has since been deleted is redone.
+    finished = {s for s in range(manifest["num_shards"]) if shard_path(out_dir, s).is_file()}
+    lost = sorted(set(manifest["finished"]) - finished)
+    if lost:
+        warnings.warn(f"{out_dir}: the manifest lists finished shards {lost} whose files are missing; redoing them.")
     manifest["finished"] = sorted(finished)
     _write_index_and_shortlist(out_dir, manifest)  # heals a run killed between a shard and its bookkeeping
     _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
@@ -487,6 +493,9 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
         seq_ids, anchors = [], []
         for shard in finished:
             path = shard_path(data_dir, shard)
+            if not path.is_file():
+                raise ValueError(f"Shard {shard} is listed as finished in `{data_dir}` but {path} is missing; rerun "
+                                 f"the same `hf-chainflow prepare` command to redo it.")
             with safe_open(str(path), framework="pt") as f:
                 records = json.loads(f.metadata()["sequences"])
                 tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")

@@ -156,6 +156,15 @@ def test_killed_prepare_resumes_without_redoing_shards(tmp_path, model, tok):
             on_shard_done=done.append, progress=False)
     assert done == [0, 1, 2] and shard0.stat().st_mtime_ns == mtime
     assert not list((tmp_path / "shards").glob(".*"))  # no temp files left
+    # a shard file deleted behind the manifest's back is redone, not silently skipped
+    data.shard_path(tmp_path, 1).unlink()
+    with pytest.raises(ValueError, match="is missing"):
+        ChainFlowWindowDataset(tmp_path)
+    with pytest.warns(UserWarning, match=r"shards \[1\] whose files are missing"):
+        prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
+                shard_size=2, on_shard_done=done.append, progress=False)
+    assert done == [0, 1, 2, 1] and shard0.stat().st_mtime_ns == mtime
+    assert read_manifest(tmp_path)["finished"] == [0, 1, 2]
     # a resumed run with other inputs is refused instead of mixing two plans
     with pytest.raises(ValueError, match="other inputs or settings"):
         prepare(model, tok, tmp_path, prompts=rows[:5], max_new_tokens=NEW, generation_dtype=torch.float32,
