@@ -86,6 +86,8 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    depth = max((len(a["acceptance_per_depth"] or []) for a in results["arms"].values()), default=0)
+    ax.set_xticks(np.arange(1, depth + 1))
     for key, a in results["arms"].items():
         acc = a["acceptance_per_depth"]
         if acc:

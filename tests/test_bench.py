@@ -136,6 +136,7 @@ def test_run_bench_tiny_target(tmp_path):
         assert arms_out[f"{name}@float32"]["unexplained_mismatches"] == 0
         assert arms_out[f"{name}@float32"]["tau"] >= 1.0
     assert len(arms_out["tree@float32"]["acceptance_per_depth"]) == 3
+    assert len(arms_out["tree@float32"]["per_domain"]["math"]["acceptance_per_depth"]) == 3
     assert len(arms_out["chain@float32"]["acceptance_per_depth"]) == 3  # the oracle's num_assistant_tokens
     assert arms_out["chain@float32"]["draft_time_per_round"] > 0
     assert loaded["settings"]["arms"]["tree@float32"]["tree_width"] == 3
