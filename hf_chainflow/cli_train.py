@@ -25,7 +25,7 @@ TRAIN_DEFAULTS = {
     "target": "smollm2-135m-instruct", "data": None, "out": None, "init_from": None, "lora": None, "lora_rank": 8,
     "epochs": 15.0, "max_steps": -1, "batch_size": 64, "lr": 5e-4, "grad_accum": 1, "seed": 0,
     "logging_steps": 50, "save_steps": 500, "save_total_limit": 2, "vae_pretrain_steps": 0, "vae_lr_ratio": 1 / 20,
-    "train_flow_steps": None, "max_windows": None, "replay": None, "replay_fraction": 0.2, "num_workers": 0,
+    "train_flow_steps": None, "max_windows": None, "shards": None, "replay": None, "replay_fraction": 0.2, "num_workers": 0,
     "resume": None, "threads": None, "dtype": "float32", "drafter": {}, "training_args": {},
 }
 
@@ -76,6 +76,7 @@ def add_train_parser(sub) -> None:
     a("--vae-lr-ratio", type=float, help="VAE lr as a fraction of --lr (default 1/20)")
     a("--train-flow-steps", type=int, help="N, Euler steps integrated in training (default: the drafter config's)")
     a("--max-windows", type=int, help="train on a seeded random subset of this many windows")
+    a("--shards", type=parse_shards, help="use only these finished shards, e.g. `0-6` or `0,2,5` (default: all)")
     a("--replay", help="prepared data directory of earlier languages to mix in (replay)")
     a("--replay-fraction", type=float, help="share of replay rows in the mix (default 0.2)")
     a("--num-workers", type=int, help="data-loader workers")
@@ -112,12 +113,26 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
             opts[key] = value
     opts["drafter"] = {**opts["drafter"], **dict(args.drafter_arg or [])}
     opts["training_args"] = {**opts["training_args"], **dict(args.training_arg or [])}
+    if opts["shards"] is not None and not isinstance(opts["shards"], list):
+        opts["shards"] = parse_shards(opts["shards"])  # from the YAML file
     for key in ("data", "out"):
         if not opts[key]:
             raise SystemExit(f"train: --{key} is required (on the command line or in --config).")
     if opts["lora"] and not opts["init_from"]:
         raise SystemExit("train: --lora adapts an existing drafter; give it with --init-from.")
     return opts
+
+
+def parse_shards(text: str) -> list[int]:
+    """`"0-6"` / `"0,2,5"` / `"0-3,7"` -> shard numbers."""
+    shards = []
+    try:
+        for part in str(text).split(","):
+            lo, _, hi = part.strip().partition("-")
+            shards += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shards takes numbers and ranges like `0-6` or `0,2,5`, got {text!r}.")
+    return shards
 
 
 def _window_dataset(data_dir, config, **kwargs):
@@ -178,7 +193,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         model = add_language_adapter(model, o["lora"], lora_config(r=o["lora_rank"]))
 
-    train_set = _window_dataset(o["data"], config, max_windows=o["max_windows"], seed=o["seed"])
+    train_set = _window_dataset(o["data"], config, max_windows=o["max_windows"], seed=o["seed"], shards=o["shards"])
     if o["replay"]:
         train_set = ReplayMixDataset(train_set, _window_dataset(o["replay"], config), o["replay_fraction"],
                                      seed=o["seed"])
@@ -232,6 +247,7 @@ def add_eval_offline_parser(sub) -> None:
     a("--num-flow-steps", type=int, help="Euler steps (default: the drafter's serving setting)")
     a("--batch-size", type=int, default=64)
     a("--max-windows", type=int, help="evaluate a seeded random subset of this many windows")
+    a("--shards", type=parse_shards, help="evaluate only these finished shards, e.g. a held-out `7-25`")
     a("--reference", action="store_true", help="one drafter.draft call per window instead of the batched path")
     a("--dtype", choices=("float32", "bfloat16"), default="float32")
     a("--threads", type=int, help="torch.set_num_threads")
@@ -262,7 +278,7 @@ def run_eval_offline(args: argparse.Namespace) -> int:
         from hf_chainflow.adapters import load_language_adapter
 
         model = load_language_adapter(model, args.adapter, Path(args.adapter).name)
-    data = _window_dataset(args.data, unwrap_drafter(model).config)
+    data = _window_dataset(args.data, unwrap_drafter(model).config, shards=args.shards)
     result = evaluate_offline(model, data, num_tokens=args.num_tokens, batch_size=args.batch_size,
                               max_windows=args.max_windows, tree=_tree_shape(args.tree) if args.tree else None,
                               max_tree_windows=args.max_tree_windows, num_flow_steps=args.num_flow_steps,
