@@ -50,6 +50,8 @@ class ChainFlowConfig(PreTrainedConfig):
     shortlist (`list[int]`, *optional*): vocabulary shortlist (tokens seen in the training responses).
     candidate_budget (`int`): `M`, candidate ids kept by the two-pass head (shared across positions).
     tree_branching (`int`): `b`, children expanded per kept node during tree search.
+    serving_head_dtype (`str`): dtype of the candidate-head products while drafting, `"bfloat16"` (default) or
+        `"float32"`; training always uses the drafter's dtype. It changes what may be proposed, never the output.
     initializer_range (`float`): std of the normal initialiser.
     """
 
@@ -82,6 +84,7 @@ class ChainFlowConfig(PreTrainedConfig):
     shortlist: list[int] | None = None
     candidate_budget: int = 8192
     tree_branching: int = 8
+    serving_head_dtype: str = "bfloat16"
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -110,6 +113,7 @@ class ChainFlowConfig(PreTrainedConfig):
         _choice("source", self.source, SOURCES)
         _choice("feedback", self.feedback, FEEDBACK)
         _choice("attention", self.attention, ATTENTION)
+        _choice("serving_head_dtype", self.serving_head_dtype, ("bfloat16", "float32"))
         if self.num_draft_positions % self.num_experts != 0:
             raise ValueError(
                 f"`num_draft_positions` ({self.num_draft_positions}) must be divisible by `num_experts` "

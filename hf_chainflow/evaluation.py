@@ -57,12 +57,12 @@ def draft_chains(drafter, context_states: torch.Tensor, context_mask: torch.Tens
 
     context_states `(B, C, D)`, context_mask `(B, C)`, committed `(B, p)` (last = bonus) -> tokens `(B, k)`.
     The two-pass candidate head keeps, per window, the top `candidate_budget` rows by their best score over the
-    `K` positions; here the other rows are masked to `-inf`, which selects the same argmax.
+    `k` drafted positions; here the other rows are masked to `-inf`, which selects the same argmax.
     """
     drafter._check_draft_args("chain", num_tokens, 1, 1)
     states = drafter.predict_states(context_states, context_mask, num_flow_steps)  # (B, K, D)
-    W = drafter.draft_head_weight()  # (S, D)
-    head = states @ W.T  # (B, K, S)
+    W = drafter.serving_head_weight()  # (S, D), in the serving dtype, as `drafter.draft` uses it
+    head = torch.nn.functional.linear(states[:, :num_tokens].to(W.dtype), W).float()  # (B, k, S)
     candidates = None
     if W.shape[0] > drafter.config.candidate_budget:
         rows = head.max(1).values.topk(drafter.config.candidate_budget, -1).indices  # (B, M)

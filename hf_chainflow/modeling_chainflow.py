@@ -220,10 +220,12 @@ class ChainFlowMarkovHead(nn.Module):
         self.u1 = nn.Embedding(num_prev, rank)
         self.u2 = nn.Parameter(torch.zeros(num_out, rank))
 
-    def forward(self, prev_index, rows=None):
-        """`prev_index` `(...)` indices into the draft vocabulary (+1 "other" row) -> bias `(..., S or M)`."""
-        u2 = self.u2 if rows is None else self.u2[rows]
-        return F.linear(self.u1(prev_index), u2)
+    def forward(self, prev_index, u2=None):
+        """`prev_index` `(...)` indices into the draft vocabulary (+1 "other" row) -> bias `(..., S or M)`.
+
+        `u2`: the output rows to score (default: all `S`; the search passes the candidate rows `u2[rows]`).
+        """
+        return F.linear(self.u1(prev_index), self.u2 if u2 is None else u2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -424,6 +426,19 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             self._draft_head_cache = (key, Wd.to(self.dtype).contiguous())
         return self._draft_head_cache[1]
 
+    def serving_head_weight(self) -> torch.Tensor:
+        """`draft_head_weight()` in `config.serving_head_dtype` (bfloat16 by default: drafting reads these rows
+        every round, and halving the bytes halves that cost; what is proposed may change, never what is emitted)."""
+        dtype = getattr(torch, self.config.serving_head_dtype)
+        W = self.draft_head_weight()
+        if W.dtype == dtype:
+            return W
+        key = (W.data_ptr(), dtype)
+        cache = getattr(self, "_serving_head_cache", None)
+        if cache is None or cache[0] != key:
+            self._serving_head_cache = (key, W.to(dtype).contiguous())
+        return self._serving_head_cache[1]
+
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
         if self.config.shortlist is None:
@@ -529,21 +544,21 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         return self.decode(z1)
 
     # ------------------------------------------------------------------ token feedback
-    def feedback_logits(self, states, parents, weight=None, markov_rows=None, head_logits=None):
-        """Eq. 3 over the draft vocabulary (or a subset of its rows).
+    def feedback_logits(self, states, parents, weight=None, markov_u2=None, head_logits=None):
+        """Eq. 3 over the draft vocabulary (or a subset of its rows), in float32.
 
         `states` `(..., D)`, `parents` `(..., p)` vocabulary ids (the last one is the previous token).
-        `weight` `(S or M, D)`: the head rows (default: the whole draft vocabulary); `markov_rows` `(M,)`: the
-        same subset as draft-vocabulary indices; `head_logits` `(..., S or M)`: precomputed `weight @ states`.
-        Returns `(..., S or M)`.
+        `weight` `(S or M, D)`: the head rows (default: the whole draft vocabulary, training dtype); the products
+        run in `weight`'s dtype. `markov_u2` `(M, r)`: the Markov head's output rows for that subset.
+        `head_logits` `(..., S or M)`: precomputed `weight @ states`. Returns `(..., S or M)`.
         """
         W = self.draft_head_weight() if weight is None else weight
-        logits = head_logits if head_logits is not None else F.linear(states, W)
+        logits = head_logits if head_logits is not None else F.linear(states.to(W.dtype), W).float()
         if self.path_head is not None:
             r = self.path_head(self._embed(parents), states)  # (..., D)
-            logits = logits + F.linear(r, W)
+            logits = logits + F.linear(r.to(W.dtype), W).float()
         if self.markov_head is not None:
-            logits = logits + self.markov_head(self._token_to_draft_index(parents[..., -1]), markov_rows)
+            logits = logits + self.markov_head(self._token_to_draft_index(parents[..., -1]), markov_u2).float()
         return logits
 
     # ------------------------------------------------------------------ training forward
@@ -671,15 +686,15 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         return self.search(states[0], input_ids[0], mode=mode, num_tokens=num_tokens, tree_width=tree_width,
                            tree_depth=tree_depth, do_sample=do_sample, temperature=temperature)
 
-    def _candidates(self, states):
-        """Two-pass head, pass 1: shared candidate rows `(M,)` of the draft vocabulary from states `(K, D)`."""
-        W = self.draft_head_weight()
+    def _candidates(self, states, weight):
+        """Two-pass head, pass 1: candidate rows `(M,)` of the draft vocabulary shared by the drafted positions
+        `states` `(d, D)`, and their head logits `(d, M)` (`None` rows: every row is a candidate)."""
+        scores = F.linear(states.to(weight.dtype), weight).float()  # (d, S)
         M = self.config.candidate_budget
-        if W.shape[0] <= M:
-            return None, F.linear(states, W)  # every row is a candidate; (K, S)
-        scores = F.linear(states, W)  # (K, S)
+        if weight.shape[0] <= M:
+            return None, scores
         rows = scores.max(0).values.topk(M).indices  # (M,)
-        return rows, scores[:, rows]  # (M,), (K, M)
+        return rows, scores[:, rows]  # (M,), (d, M)
 
     @torch.no_grad()
     def search(self, states, committed, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
@@ -689,8 +704,13 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if mode == "tree" and do_sample:
             raise ValueError("Tree drafts are greedy-only; use `draft_mode='chain'` with `do_sample=True`.")
         p = self.config.path_order
-        rows, head = self._candidates(states)  # rows (M,) | None, head (K, M)
-        weight = self.draft_head_weight() if rows is None else self.draft_head_weight()[rows]  # (M, D)
+        depth_needed = num_tokens if mode == "chain" else tree_depth
+        full = self.serving_head_weight()  # (S, D)
+        rows, head = self._candidates(states[:depth_needed], full)  # rows (M,) | None, head (d, M)
+        weight = full if rows is None else full[rows]  # (M, D)
+        markov_u2 = None
+        if self.markov_head is not None and rows is not None:
+            markov_u2 = self.markov_head.u2[rows]  # (M, r), gathered once per round
         pad = self.config.pad_token_id or 0
         tail = committed[-p:]
         if tail.shape[0] < p:
@@ -705,7 +725,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         tokens, parents, depths, logps, qs = [], [], [], [], []
         n_nodes = 0
         for d in range(depth):
-            logits = self.feedback_logits(states[d].expand(beams.shape[0], -1), beams, weight, rows,
+            logits = self.feedback_logits(states[d].expand(beams.shape[0], -1), beams, weight, markov_u2,
                                           head_logits=head[d].expand(beams.shape[0], -1))  # (n, M)
             if do_sample:
                 q = torch.softmax(logits.float() / temperature, -1)  # (1, M)
