@@ -764,7 +764,12 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
-        """Load a drafter; with `target=`, bind it (see `bind_target`)."""
+        """Load a drafter; with `target=`, bind it (see `bind_target`).
+
+        Weights are loaded in float32 unless `dtype=` says otherwise (shipped checkpoints are stored in float16 to
+        stay small; drafting on a CPU wants float32 layers).
+        """
+        kwargs.setdefault("dtype", torch.float32)
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         gen_file = os.path.join(str(pretrained_model_name_or_path), "generation_config.json")
         if os.path.isfile(gen_file):
