@@ -136,8 +136,7 @@ def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
     return joint / joint.sum()
 
 
-@pytest.mark.parametrize("family,drafter_kind", [("llama", "chainflow"), ("llama", "oracle"),
-                                                 ("qwen3_5", "oracle")])
+@pytest.mark.parametrize("family,drafter_kind", [("llama", "chainflow"), ("qwen3_5", "oracle")])
 def test_sampling_keeps_target_distribution(family, drafter_kind):
     vocab = 12
     target = tiny_target(family, vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)
@@ -151,7 +150,7 @@ def test_sampling_keeps_target_distribution(family, drafter_kind):
     prompt = torch.tensor([[3, 7, 5, 9]])
     temperature, top_p = 0.8, 0.9
     exact = exact_pair_distribution(target, prompt, temperature, top_p, vocab)
-    n = 2000
+    n = 1200
     torch.manual_seed(0)
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     accepted = 0
