@@ -168,7 +168,7 @@ def state_statistics(data_dir, max_states: int = 200_000) -> tuple[torch.Tensor,
 def run_train(args: argparse.Namespace) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
-    from hf_chainflow.data import read_shortlist
+    from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
     o = resolve_train_options(args)
@@ -183,7 +183,11 @@ def run_train(args: argparse.Namespace) -> int:
                              f"(--init-from keeps its sizes); drop them or train a fresh drafter.")
         model = ChainFlowDrafter.from_pretrained(o["init_from"], target=target, dtype=dtype)
     else:
-        config = ChainFlowConfig.for_target(target.config, shortlist=read_shortlist(o["data"]), **o["drafter"])
+        shortlist = read_shortlist(o["data"])
+        if o["shards"] is not None:  # the tokens seen in the responses this drafter trains on
+            manifest = read_manifest(o["data"])
+            shortlist = compute_shortlist(o["data"], {**manifest, "finished": o["shards"]})
+        config = ChainFlowConfig.for_target(target.config, shortlist=shortlist, **o["drafter"])
         torch.manual_seed(o["seed"])
         model = ChainFlowDrafter(config).to(dtype).bind_target(target)
         model.set_state_statistics(*state_statistics(o["data"]))
