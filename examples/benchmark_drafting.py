@@ -35,6 +35,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--context", type=int, default=300, help="committed tokens in the target's cache")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
+    parser.add_argument("--shortlist-from", default=None,
+                        help="prepared data dir whose shortlist the random drafter uses (default: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -42,7 +44,13 @@ def main():
     if args.drafter:
         drafter = ChainFlowDrafter.from_pretrained(args.drafter, target=target).eval()
     else:
-        drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config)).eval().bind_target(target)
+        shortlist = None
+        if args.shortlist_from:
+            from hf_chainflow.data import read_shortlist
+
+            shortlist = read_shortlist(args.shortlist_from)
+        config = ChainFlowConfig.for_target(target.config, shortlist=shortlist)
+        drafter = ChainFlowDrafter(config).eval().bind_target(target)
     cfg = drafter.config
     ids = torch.randint(100, 20000, (1, args.context))
     with torch.no_grad():
@@ -61,7 +69,8 @@ def main():
                 timed(lambda: drafter.integrate(drafter.source(context, mask), context, mask, cfg.num_flow_steps),
                       args.repeats),
             "vae decode": timed(lambda: drafter.decode(z1), args.repeats),
-            "candidate head (pass 1)": timed(lambda: drafter._candidates(states), args.repeats),
+            f"candidate head pass 1 ({g.tree_depth} positions, {drafter.config.serving_head_dtype})": timed(
+                lambda: drafter._candidates(states[: g.tree_depth], drafter.serving_head_weight()), args.repeats),
             f"search chain {g.num_assistant_tokens}": timed(
                 lambda: drafter.search(states, ids[0], mode="chain", num_tokens=g.num_assistant_tokens), args.repeats),
             f"search tree {g.tree_width}x{g.tree_depth}": timed(
@@ -71,12 +80,12 @@ def main():
                 lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth),
                 args.repeats),
         }
-        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        cache = out.cache if "cache" in out else out.past_key_values
         past = cache.get_seq_length()
         for n in (1, 4, 8, 33):
             def step(n=n):
                 target(torch.randint(100, 20000, (1, n)), cache=cache, use_cache=True)
-                cache.crop(past)
+                cache.crop(-n)
             rows[f"target forward, {n} token(s) ({args.dtype})"] = timed(step, args.repeats)
 
     params = sum(p.numel() for p in drafter.parameters())
