@@ -39,7 +39,7 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 1.0
-        self.context_size = getattr(getattr(drafter, "config", None), "context_size", 8)
+        self.context_size = drafter.context_size
         self.states = None  # (1, <=C, D) last committed target states
         self.stats = SpeculativeStats(mode="chain", loop="transformers")
         drafter.last_stats = self.stats

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 
-from transformers import GenerationConfig, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
@@ -105,7 +105,7 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
             f"and gathers the cache. Use the default dynamic cache (leave `cache_implementation` unset)."
         )
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None and type(cache).__name__ != "DynamicCache" and not is_hybrid_target(model):
+    if cache is not None and type(cache) is not DynamicCache and not is_hybrid_target(model):
         raise ValueError(
             f"A ChainFlow drafter needs a `DynamicCache`, got {type(cache).__name__}. Pass no cache, or a "
             f"`DynamicCache`."

@@ -494,7 +494,11 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         return self.denormalize(latents if self.vae is None else self.vae.decode(latents))
 
     def source(self, context_latents, context_mask=None):
-        """Flow source `z0` `(B, K, Z)` from the context latents `(B, C, Z)`."""
+        """Flow source `z0` `(B, K, Z)` from the context latents `(B, C, Z)`.
+
+        `extrapolate` needs `z_(t-1)`: where it does not exist (a single context state, or a padded one) the slope
+        is zero, i.e. the first round after a one-token prompt starts from `z_t` as `repeat` would.
+        """
         B, _, Z = context_latents.shape
         K = self.config.num_draft_positions
         z_t = context_latents[:, -1]  # (B, Z)
