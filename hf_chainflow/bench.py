@@ -151,12 +151,14 @@ class Arm:
 
 
 def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
-               tree: tuple[int, int] | None = None, default_drafter: str = "chainflow",
+               tree: tuple[int, int] | None = None, tree_budget: int | None = None,
+               default_drafter: str = "chainflow",
                only: list[str] | None = None) -> list[Arm]:
     """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
 
     `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
-    length `num_assistant_tokens`, tree shape `tree_width` x `tree_depth`; `chain`/`tree` override them). The
+    length `num_assistant_tokens`, tree shape `tree_width` x `tree_depth` and `tree_budget`; `chain`/`tree`/
+    `tree_budget` override them). The
     default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `only` keeps the arms of
     those names.
     """
@@ -168,7 +170,9 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
         n = chain if chain is not None else int(g.num_assistant_tokens)
         width, depth = tree if tree is not None else (int(getattr(g, "tree_width", 8)), int(getattr(g, "tree_depth", 4)))
         names.append((f"{prefix}chain", "chain", dname, {"num_assistant_tokens": n}))
-        names.append((f"{prefix}tree", "tree", dname, {"tree_width": width, "tree_depth": depth}))
+        budget = tree_budget if tree_budget is not None else getattr(g, "tree_budget", None)
+        names.append((f"{prefix}tree", "tree", dname, {"tree_width": width, "tree_depth": depth,
+                                                         "tree_budget": budget}))
     if only is not None:
         known = [n[0] for n in names]
         unknown = [o for o in only if o not in known]
@@ -529,6 +533,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the pld arm")
     p.add_argument("--chain", type=int, help="chain length (default: the drafter's num_assistant_tokens)")
     p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
+    p.add_argument("--tree-budget", type=int,
+                   help="keep this many nodes of each tree, highest path probability first (default: the drafter's "
+                        "tree_budget; none = all WIDTHxDEPTH)")
     p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
     p.add_argument("--limit", type=int, help="benchmark N prompts, stratified by domain")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -557,6 +564,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError(f"`--pld-tokens` must be a positive integer, got {args.pld_tokens!r}.")
     if args.chain is not None and args.chain < 1:
         raise ValueError(f"`--chain` must be a positive integer, got {args.chain!r}.")
+    if args.tree_budget is not None and args.tree_budget < 1:
+        raise ValueError(f"`--tree-budget` must be a positive integer, got {args.tree_budget!r}.")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtypes = _parse_dtypes(args.dtypes)
     tree = _parse_tree(args.tree)
@@ -577,7 +586,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
                                                                   dtype=DTYPE_NAMES[args.drafter_dtype]).eval()
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=args.pld_tokens,
-                      chain=args.chain, tree=tree, only=only)
+                      chain=args.chain, tree=tree, tree_budget=args.tree_budget, only=only)
     prompts = tokenize_prompts(tokenizer, rows)
     warmup = tokenize_prompts(tokenizer, [warm_row])[0]
     gen = models[dtypes[0]].generation_config

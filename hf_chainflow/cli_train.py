@@ -247,6 +247,7 @@ def add_eval_offline_parser(sub) -> None:
     a("--out", help="report directory (offline_eval.json, acceptance.png)")
     a("--num-tokens", type=int, default=3, help="chain length k (serving num_assistant_tokens)")
     a("--tree", help="also evaluate trees WIDTHxDEPTH, e.g. 8x4 (per window, slower)")
+    a("--tree-budget", type=int, help="keep this many nodes of each tree (highest path probability; default: all)")
     a("--max-tree-windows", type=int, default=512)
     a("--num-flow-steps", type=int, help="Euler steps (default: the drafter's serving setting)")
     a("--batch-size", type=int, default=64)
@@ -285,7 +286,7 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     data = _window_dataset(args.data, unwrap_drafter(model).config, shards=args.shards)
     result = evaluate_offline(model, data, num_tokens=args.num_tokens, batch_size=args.batch_size,
                               max_windows=args.max_windows, tree=_tree_shape(args.tree) if args.tree else None,
-                              max_tree_windows=args.max_tree_windows, num_flow_steps=args.num_flow_steps,
+                              tree_budget=args.tree_budget, max_tree_windows=args.max_tree_windows, num_flow_steps=args.num_flow_steps,
                               batched=not args.reference, output_dir=args.out, seed=args.seed)
     result["drafter"], result["data"] = str(args.drafter), str(args.data)
     if args.out:
@@ -295,7 +296,8 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     for name, stats in result["per_domain"].items():
         print(f"  {name:>12}: tau {stats['tau']:.3f} ({stats['num_windows']} windows)")
     if "tree" in result:
-        print(f"tree {args.tree}: tau {result['tree']['tau']:.3f} over {result['tree']['num_windows']} windows")
+        budget = f" (budget {args.tree_budget} nodes)" if args.tree_budget else ""
+        print(f"tree {args.tree}{budget}: tau {result['tree']['tau']:.3f} over {result['tree']['num_windows']} windows")
     return 0
 
 

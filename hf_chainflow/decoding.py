@@ -72,7 +72,7 @@ def speculative_generate(
     Args:
         model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
         drafter: a bound `ChainFlowDrafter` (or `OracleDrafter`); drafting settings come from
-            `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`,
+            `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`, `tree_budget`,
             `num_flow_steps`).
         chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
@@ -129,6 +129,7 @@ def speculative_generate(
             tree = drafter.draft(
                 states, ids, mode=settings["mode"], num_tokens=min(settings["num_tokens"], room),
                 tree_width=settings["tree_width"], tree_depth=min(settings["tree_depth"], room),
+                tree_budget=settings["tree_budget"],
                 num_flow_steps=settings["num_flow_steps"], do_sample=do_sample, temperature=temperature,
             )
         else:

@@ -135,8 +135,8 @@ def _domain_names(dataset) -> list[str] | None:
 
 @torch.no_grad()
 def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int = 64, max_windows: int | None = None,
-                     tree: tuple[int, int] | None = None, max_tree_windows: int | None = 512,
-                     num_flow_steps: int | None = None, batched: bool = True, output_dir: str | os.PathLike | None = None,
+                     tree: tuple[int, int] | None = None, tree_budget: int | None = None,
+                     max_tree_windows: int | None = 512, num_flow_steps: int | None = None, batched: bool = True, output_dir: str | os.PathLike | None = None,
                      seed: int = 0, progress: bool = True) -> dict:
     """Offline `tau` of `drafter` (bound to its target) on the windows of `dataset`.
 
@@ -147,6 +147,7 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
         num_tokens: chain length `k` (the serving `num_assistant_tokens`).
         max_windows: evaluate a seeded random subset of this many windows.
         tree: `(width, depth)` to also measure tree drafting (per window, on at most `max_tree_windows` of them).
+        tree_budget: keep that many nodes of each tree (highest path probability; `None`: all).
         batched: use `draft_chains` (fast) rather than one `drafter.draft` call per window (the serving call).
         output_dir: where to write `offline_eval.json` and `acceptance.png`.
 
@@ -161,7 +162,7 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if tree is not None:
         width, depth = tree
-        drafter._check_draft_args("tree", 1, width, depth)
+        drafter._check_draft_args("tree", 1, width, depth, tree_budget)
     data = _subset(dataset, max_windows, seed)
     names = _domain_names(dataset)
     if len(data) == 0:
@@ -194,15 +195,15 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     result["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], num_tokens)
                             for d in sorted(set(domains.tolist()))}
     if tree is not None:
-        result["tree"] = _evaluate_tree(drafter, data, width, depth, max_tree_windows, num_flow_steps, seed,
-                                        label, progress)
+        result["tree"] = _evaluate_tree(drafter, data, width, depth, tree_budget, max_tree_windows, num_flow_steps,
+                                        seed, label, progress)
     model.train(was_training)
     if output_dir is not None:
         write_report(result, output_dir)
     return result
 
 
-def _evaluate_tree(drafter, data, width, depth, max_windows, num_flow_steps, seed, label, progress) -> dict:
+def _evaluate_tree(drafter, data, width, depth, budget, max_windows, num_flow_steps, seed, label, progress) -> dict:
     """Per-window tree drafting (`drafter.draft(mode="tree")`) and longest matching path."""
     data = _subset(data, max_windows, seed)
     p = drafter.config.path_order
@@ -211,12 +212,12 @@ def _evaluate_tree(drafter, data, width, depth, max_windows, num_flow_steps, see
         w = data[i]
         states = w["context_states"][w["context_mask"].bool()][None].to(drafter.device)
         tree = drafter.draft(states, _committed(w["prev_tokens"], p)[None].to(drafter.device), mode="tree",
-                             tree_width=width, tree_depth=depth, num_flow_steps=num_flow_steps)
+                             tree_width=width, tree_depth=depth, tree_budget=budget, num_flow_steps=num_flow_steps)
         accepted.append(tree_accepted_length(tree, w["target_tokens"].to(tree.tokens.device), w["target_mask"]))
         valid.append(w["target_mask"][:depth].bool().numpy())
         domains.append(int(w["domain"]) if "domain" in w else -1)
     accepted, valid, domains = np.array(accepted), np.stack(valid), np.array(domains)
-    out = {"shape": [width, depth], **summarize(accepted, valid, depth)}
+    out = {"shape": [width, depth], "budget": budget, **summarize(accepted, valid, depth)}
     out["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], depth)
                          for d in sorted(set(domains.tolist()))}
     return out

@@ -57,6 +57,7 @@ def draft_settings(drafter) -> dict:
         "num_tokens": g.num_assistant_tokens,
         "tree_width": getattr(g, "tree_width", 8),
         "tree_depth": getattr(g, "tree_depth", 4),
+        "tree_budget": getattr(g, "tree_budget", None),
         "num_flow_steps": getattr(g, "num_flow_steps", None),
     }
     max_depth = drafter.max_draft_depth
@@ -64,6 +65,12 @@ def draft_settings(drafter) -> dict:
                         ("tree_width", settings["tree_width"])):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`drafter.generation_config.{name}` must be a positive integer, got {value!r}.")
+    budget = settings["tree_budget"]
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise ValueError(
+            f"`drafter.generation_config.tree_budget` must be None (keep all tree_width x tree_depth nodes) or a "
+            f"positive integer (keep that many nodes of highest path probability), got {budget!r}."
+        )
     for name in ("num_tokens", "tree_depth"):
         if settings[name] > max_depth:
             label = "num_assistant_tokens" if name == "num_tokens" else "tree_depth"

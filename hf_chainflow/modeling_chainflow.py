@@ -204,12 +204,16 @@ class ChainFlowPathHead(nn.Module):
         self.mlp = nn.Sequential(nn.GELU(), nn.Linear(R, R), nn.GELU())
         self.out = nn.Linear(R, D)
 
-    def forward(self, parent_embeds, states):
-        """`parent_embeds` `(..., p, D)`, `states` `(..., D)` -> correction `(..., D)`."""
+    def hidden(self, parent_embeds, states):
+        """`parent_embeds` `(..., p, D)`, `states` `(..., D)` -> the MLP features before `out`, `(..., R)`."""
         p, D, R = self.offset_proj.shape
         flat = parent_embeds.reshape(*parent_embeds.shape[:-2], p * D)  # (..., p*D)
         x = flat @ self.offset_proj.reshape(p * D, R) + self.state_proj(states)  # (..., R): sum of per-offset maps
-        return self.out(self.mlp(x))
+        return self.mlp(x)
+
+    def forward(self, parent_embeds, states):
+        """`parent_embeds` `(..., p, D)`, `states` `(..., D)` -> correction `(..., D)`."""
+        return self.out(self.hidden(parent_embeds, states))
 
 
 class ChainFlowMarkovHead(nn.Module):
@@ -341,6 +345,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             draft_mode="chain",
             tree_width=8,
             tree_depth=4,
+            tree_budget=None,
             num_flow_steps=config.num_flow_steps,
         )
         self.last_stats = None
@@ -438,6 +443,53 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if cache is None or cache[0] != key:
             self._serving_head_cache = (key, W.to(dtype).contiguous())
         return self._serving_head_cache[1]
+
+    def serving_feedback_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The feedback heads folded through the head rows, for serving: `(F, b)` with `F` `(S, R + r)` and `b` `(S,)`.
+
+        `W·r(parents, ĥ) + U2·U1[x] = F·[m; U1[x]] + b`, where `m = path_head.hidden(parents, ĥ)` `(R,)` and
+        `r = out(m)`: one `(R + r)`-wide product per node instead of a `D`-wide one plus the Markov product. Computed
+        in float32 from the current weights, stored in `config.serving_head_dtype`, cached until a weight changes.
+        `None` without feedback heads, or when `path_head.out` is not a plain `nn.Linear` (a LoRA adapter wraps it);
+        the search then evaluates Eq. 3 term by term (same maths, another rounding).
+        """
+        parts = []
+        if self.path_head is not None:
+            out = self.path_head.out
+            if type(out) is not nn.Linear:
+                return None
+            parts += [out.weight, out.bias]
+        if self.markov_head is not None:
+            parts.append(self.markov_head.u2)
+        if not parts:
+            return None
+        W = self.draft_head_weight()  # (S, D)
+        dtype = getattr(torch, self.config.serving_head_dtype)
+        key = (W.data_ptr(), W.dtype, dtype) + tuple((t.data_ptr(), t._version) for t in parts)
+        cache = getattr(self, "_serving_feedback_cache", None)
+        if cache is None or cache[0] != key:
+            with torch.no_grad():
+                Wf = W.float()
+                blocks, bias = [], Wf.new_zeros(W.shape[0])
+                if self.path_head is not None:
+                    blocks.append(Wf @ self.path_head.out.weight.float())  # (S, R)
+                    bias = Wf @ self.path_head.out.bias.float()  # (S,)
+                if self.markov_head is not None:
+                    blocks.append(self.markov_head.u2.float())  # (S, r)
+                fused = torch.cat(blocks, 1).to(dtype).contiguous()  # (S, R + r)
+            self._serving_feedback_cache = (key, (fused, bias))
+        return self._serving_feedback_cache[1]
+
+    def _serving_feedback_logits(self, state, parents, fused, bias):
+        """The feedback terms of Eq. 3 with the folded heads: `state` `(D,)`, `parents` `(n, p)` -> `(n, S)`."""
+        n = parents.shape[0]
+        feats = []
+        if self.path_head is not None:
+            feats.append(self.path_head.hidden(self._embed(parents), state.expand(n, -1)))  # (n, R)
+        if self.markov_head is not None:
+            feats.append(self.markov_head.u1(self._token_to_draft_index(parents[:, -1])))  # (n, r)
+        x = torch.cat(feats, -1).to(fused.dtype)  # (n, R + r)
+        return F.linear(x, fused).float() + bias  # (n, S)
 
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
@@ -646,7 +698,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         )
 
     # ------------------------------------------------------------------ serving
-    def _check_draft_args(self, mode, num_tokens, tree_width, tree_depth):
+    def _check_draft_args(self, mode, num_tokens, tree_width, tree_depth, tree_budget=None):
         K = self.config.num_draft_positions
         if mode not in DRAFT_MODES:
             raise ValueError(f"`draft_mode` must be one of {DRAFT_MODES}, got {mode!r}.")
@@ -658,6 +710,10 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             )
         if mode == "tree" and (not isinstance(tree_width, int) or tree_width < 1):
             raise ValueError(f"`tree_width` must be a positive integer, got {tree_width!r}.")
+        if mode == "tree" and tree_budget is not None and (
+                not isinstance(tree_budget, int) or isinstance(tree_budget, bool) or tree_budget < 1):
+            raise ValueError(f"`tree_budget` must be None (keep every node) or a positive integer, got "
+                             f"{tree_budget!r}.")
 
     @torch.no_grad()
     def draft(
@@ -669,6 +725,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         num_tokens: int = 3,
         tree_width: int = 8,
         tree_depth: int = 4,
+        tree_budget: int | None = None,
         num_flow_steps: int | None = None,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -679,16 +736,18 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             hidden_states (`(1, T, D)`): the target's last states `h_{..t}` (the last `C` are used).
             input_ids (`(1, L)`): committed tokens `x_{..t+1}`; the last one is the bonus token (the tree root).
             mode: `"chain"` (`num_tokens` nodes) or `"tree"` (`tree_width x tree_depth`).
+            tree_budget: trees only; keep the `tree_budget` nodes of highest path probability (`None`: all).
             do_sample: chains only; sample each token from the draft distribution (at `temperature`) and return
                 the per-position distributions in `DraftTree.draft_probs`.
         """
         self._require_bound()
-        self._check_draft_args(mode, num_tokens, tree_width, tree_depth)
+        self._check_draft_args(mode, num_tokens, tree_width, tree_depth, tree_budget)
         if hidden_states.shape[0] != 1 or input_ids.shape[0] != 1:
             raise ValueError(f"`draft` supports batch size 1, got {hidden_states.shape[0]}.")
         states = self.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (1, K, D)
         return self.search(states[0], input_ids[0], mode=mode, num_tokens=num_tokens, tree_width=tree_width,
-                           tree_depth=tree_depth, do_sample=do_sample, temperature=temperature)
+                           tree_depth=tree_depth, tree_budget=tree_budget, do_sample=do_sample,
+                           temperature=temperature)
 
     def _candidates(self, states, weight):
         """Two-pass head, pass 1: candidate rows `(M,)` of the draft vocabulary shared by the drafted positions
@@ -698,23 +757,28 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if weight.shape[0] <= M:
             return None, scores
         rows = scores.max(0).values.topk(M).indices  # (M,)
-        return rows, scores[:, rows]  # (M,), (d, M)
+        return rows, scores.index_select(1, rows)  # (M,), (d, M)
 
     @torch.no_grad()
     def search(self, states, committed, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
-               do_sample=False, temperature=1.0) -> DraftTree:
+               tree_budget=None, do_sample=False, temperature=1.0) -> DraftTree:
         """Candidate search over predicted states `(K, D)` given committed tokens `(L,)` (last = root)."""
-        self._check_draft_args(mode, num_tokens, tree_width, tree_depth)
+        self._check_draft_args(mode, num_tokens, tree_width, tree_depth, tree_budget)
         if mode == "tree" and do_sample:
             raise ValueError("Tree drafts are greedy-only; use `draft_mode='chain'` with `do_sample=True`.")
         p = self.config.path_order
         depth_needed = num_tokens if mode == "chain" else tree_depth
         full = self.serving_head_weight()  # (S, D)
         rows, head = self._candidates(states[:depth_needed], full)  # rows (M,) | None, head (d, M)
-        weight = full if rows is None else full[rows]  # (M, D)
-        markov_u2 = None
-        if self.markov_head is not None and rows is not None:
-            markov_u2 = self.markov_head.u2[rows]  # (M, r), gathered once per round
+        folded = self.serving_feedback_weight()  # (S, R + r), (S,) | None
+        if folded is not None:
+            fused, fused_bias = folded  # (S, R + r), (S,): scored whole, then restricted to the rows (cheaper
+            # on CPU than gathering M rows of the matrix every round)
+        else:
+            weight = full if rows is None else full[rows]  # (M, D)
+            markov_u2 = None
+            if self.markov_head is not None and rows is not None:
+                markov_u2 = self.markov_head.u2[rows]  # (M, r), gathered once per round
         pad = self.config.pad_token_id or 0
         tail = committed[-p:]
         if tail.shape[0] < p:
@@ -729,8 +793,14 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         tokens, parents, depths, logps, qs = [], [], [], [], []
         n_nodes = 0
         for d in range(depth):
-            logits = self.feedback_logits(states[d].expand(beams.shape[0], -1), beams, weight, markov_u2,
-                                          head_logits=head[d].expand(beams.shape[0], -1))  # (n, M)
+            if folded is not None:
+                logits = self._serving_feedback_logits(states[d], beams, fused, fused_bias)  # (n, S)
+                if rows is not None:
+                    logits = logits.index_select(1, rows)  # (n, M)
+                logits = logits + head[d]  # (n, M)
+            else:
+                logits = self.feedback_logits(states[d].expand(beams.shape[0], -1), beams, weight, markov_u2,
+                                              head_logits=head[d].expand(beams.shape[0], -1))  # (n, M)
             if do_sample:
                 q = torch.softmax(logits.float() / temperature, -1)  # (1, M)
                 choice = torch.multinomial(q, 1)  # (1, 1)
@@ -758,8 +828,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             q_rows = torch.stack(qs)  # (n, M or S)
             ids = self._draft_index_to_token(rows if rows is not None else torch.arange(q_rows.shape[1], device=q_rows.device))
             draft_probs = q_rows.new_zeros(q_rows.shape[0], V).index_copy_(1, ids, q_rows)  # (n, V)
-        return DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), depths=torch.cat(depths),
+        tree = DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), depths=torch.cat(depths),
                          logprobs=torch.cat(logps), draft_probs=draft_probs)
+        return tree.top_nodes(tree_budget) if mode == "tree" and tree_budget is not None else tree
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -97,7 +97,8 @@ class OracleDrafter:
         self.vocab_size = target.config.get_text_config().vocab_size
         self.generator = torch.Generator().manual_seed(seed)
         self.generation_config = GenerationConfig(num_assistant_tokens=3, num_assistant_tokens_schedule="constant",
-                                                  draft_mode="chain", tree_width=8, tree_depth=4)
+                                                  draft_mode="chain", tree_width=8, tree_depth=4,
+                                                  tree_budget=None)
         self.last_stats = None
 
     def check_target(self, target) -> None:
@@ -119,7 +120,7 @@ class OracleDrafter:
         return out[0, ids.shape[1]:].tolist()
 
     def draft(self, hidden_states, input_ids, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
-              num_flow_steps=None, do_sample=False, temperature=1.0):
+              tree_budget=None, num_flow_steps=None, do_sample=False, temperature=1.0):
         from .tree import DraftTree
 
         device = input_ids.device
@@ -150,5 +151,6 @@ class OracleDrafter:
             depths += [d + 1] * width
             true_index = base + order.index(0)
             prev_level = [true_index] + [base + j for j in range(width) if base + j != true_index]
-        return DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
+        tree = DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
                          depths=torch.tensor(depths, device=device), logprobs=torch.zeros(len(tokens), device=device))
+        return tree if tree_budget is None else tree.top_nodes(tree_budget)  # equal scores: breadth-first prefix

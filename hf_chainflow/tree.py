@@ -62,6 +62,35 @@ class DraftTree:
             draft_probs=draft_probs,
         )
 
+    def cumulative_logprobs(self) -> torch.FloatTensor:
+        """`(N,)` drafter log-probability of each node's whole root-to-node path."""
+        cum = self.logprobs.clone()
+        parents = self.parents.tolist()
+        for i in range(self.num_nodes):  # breadth-first: a parent is final before its children
+            if parents[i] >= 0:
+                cum[i] += cum[parents[i]]
+        return cum
+
+    def top_nodes(self, budget: int) -> "DraftTree":
+        """The subtree of the `budget` nodes with the highest path log-probability (EAGLE-2-style reranking).
+
+        Ranks by `cumulative_logprobs()`, ties by breadth-first index: a parent's path probability is at least its
+        child's and its index is lower, so every kept node's ancestors are kept. Order stays breadth-first.
+        """
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ValueError(f"`budget` must be a positive integer, got {budget!r}.")
+        if budget >= self.num_nodes:
+            return self
+        order = torch.sort(self.cumulative_logprobs(), descending=True, stable=True).indices  # (N,)
+        keep = order[:budget].sort().values  # (budget,) breadth-first
+        remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.parents.device)
+        remap[keep] = torch.arange(budget, device=keep.device)
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)  # (budget,)
+        return DraftTree(tokens=self.tokens[keep], parents=parents, depths=self.depths[keep],
+                         logprobs=self.logprobs[keep],
+                         draft_probs=None if self.draft_probs is None else self.draft_probs[keep])
+
     def ancestor_matrix(self) -> torch.BoolTensor:
         """`(N, N)` bool: `anc[i, j]` is True when node `j` is node `i` or one of its ancestors."""
         n = self.num_nodes

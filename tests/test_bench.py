@@ -180,7 +180,8 @@ def saved(tmp_path_factory):
     tokenizer.save_pretrained(tmp / "target")
     torch.manual_seed(0)
     drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER))
-    drafter.generation_config.tree_width, drafter.generation_config.tree_depth = 3, 2
+    g = drafter.generation_config
+    g.tree_width, g.tree_depth, g.tree_budget = 3, 2, 4
     drafter.save_pretrained(tmp / "drafter")
     return tmp
 
@@ -196,7 +197,7 @@ def test_bench_command(saved, capsys):
     assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "other-chain")
                                     for dt in ("float32", "bfloat16")}
     assert results["settings"]["num_prompts"] == 2 and len(results["domains"]) == 2  # stratified
-    assert results["arms"]["tree@float32"]["settings"] == {"tree_width": 3, "tree_depth": 2}
+    assert results["arms"]["tree@float32"]["settings"] == {"tree_width": 3, "tree_depth": 2, "tree_budget": 4}
     for key, a in results["arms"].items():
         if a["dtype"] == "float32":
             assert a["unexplained_mismatches"] == 0, a["mismatch_details"]

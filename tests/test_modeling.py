@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
@@ -113,10 +114,73 @@ def test_one_drafter_pass_per_round(target, context):
     drafter = make(target).bind_target(target)
     calls = {"velocity": 0, "path": 0}
     h1 = drafter.velocity.register_forward_hook(lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
-    h2 = drafter.path_head.register_forward_hook(lambda *a: calls.__setitem__("path", calls["path"] + 1))
+    h2 = drafter.path_head.mlp.register_forward_hook(lambda *a: calls.__setitem__("path", calls["path"] + 1))
     drafter.draft(hidden, ids, mode="tree", tree_width=8, tree_depth=4)
     h1.remove(), h2.remove()
     assert calls == {"velocity": drafter.config.num_flow_steps, "path": 4}  # one batched call per level
+
+
+def _randomise_feedback(drafter):
+    """The feedback output layers start at zero; give them values so that folding them is a real test."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in (drafter.path_head.out.weight, drafter.path_head.out.bias, drafter.markov_head.u2):
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
+
+
+@pytest.mark.parametrize("feedback", ["markov+path", "markov"])
+def test_folded_feedback_equals_term_by_term(target, context, feedback):
+    """Serving folds `W·out` and `U2` into one matrix; the logits equal Eq. 3 evaluated term by term."""
+    ids, hidden = context
+    drafter = make(target, serving_head_dtype="float32", feedback=feedback).bind_target(target)
+    if drafter.path_head is None:
+        with torch.no_grad():
+            drafter.markov_head.u2.normal_(0, 0.3)
+    else:
+        _randomise_feedback(drafter)
+    states = drafter.predict_states(hidden)[0]  # (K, D)
+    parents = torch.randint(3, 256, (5, drafter.config.path_order), generator=torch.Generator().manual_seed(2))
+    fused, bias = drafter.serving_feedback_weight()
+    folded = drafter._serving_feedback_logits(states[1], parents, fused, bias) + F.linear(
+        states[1], drafter.draft_head_weight())  # (5, S)
+    reference = drafter.feedback_logits(states[1].expand(5, -1), parents)  # (5, S)
+    torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
+    # the cache follows the weights: an in-place update (what an optimizer step does) refreshes the fold
+    with torch.no_grad():
+        drafter.markov_head.u2.mul_(2.0)
+    refreshed, _ = drafter.serving_feedback_weight()
+    assert not torch.equal(refreshed, fused)
+    torch.testing.assert_close(refreshed[:, -drafter.config.markov_rank:], drafter.markov_head.u2)
+
+
+def test_tree_budget_keeps_the_most_probable_nodes(target, context):
+    ids, hidden = context
+    drafter = make(target).bind_target(target)
+    _randomise_feedback(drafter)
+    full = drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4)
+    pruned = drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4, tree_budget=9)
+    assert pruned.num_nodes == 9
+    cum_full, cum_pruned = full.cumulative_logprobs(), pruned.cumulative_logprobs()
+    # the kept path probabilities are the 9 best of the full tree, and the order stays breadth-first
+    torch.testing.assert_close(cum_pruned.sort(descending=True).values, cum_full.sort(descending=True).values[:9])
+    assert (pruned.depths.diff() >= 0).all()
+    for i in range(pruned.num_nodes):  # parents remapped: a kept node hangs under its own kept ancestor
+        parent = int(pruned.parents[i])
+        assert parent < i and int(pruned.depths[i]) == (1 if parent < 0 else int(pruned.depths[parent]) + 1)
+        if parent >= 0:
+            torch.testing.assert_close(cum_pruned[i], cum_pruned[parent] + pruned.logprobs[i])
+    assert drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4, tree_budget=100).num_nodes == 24
+    with pytest.raises(ValueError, match="`tree_budget` must be None .* or a positive integer, got 0"):
+        drafter.draft(hidden, ids, mode="tree", tree_budget=0)
+
+
+def test_top_nodes_ties_keep_ancestors():
+    """Equal path probabilities (a zero log-probability child) resolve breadth-first: never an orphan."""
+    tree = DraftTree(tokens=torch.tensor([5, 6, 7, 8, 9]), parents=torch.tensor([-1, -1, 0, 0, 2]),
+                     depths=torch.tensor([1, 1, 2, 2, 3]), logprobs=torch.tensor([-1.0, -0.5, 0.0, -3.0, 0.0]))
+    kept = tree.top_nodes(3)  # cumulative: -1, -0.5, -1, -4, -1 -> nodes 1, then 0, 2 (tie with 4 broken by index)
+    assert kept.tokens.tolist() == [5, 6, 7] and kept.parents.tolist() == [-1, -1, 0]
+    assert tree.top_nodes(4).tokens.tolist() == [5, 6, 7, 9] and tree.top_nodes(4).parents.tolist() == [-1, -1, 0, 2]
 
 
 # ---------------------------------------------------------------------------------------------------- save/load
