@@ -6,6 +6,7 @@ noise hits all arms alike. Arms (each in every requested dtype, with its own tar
     ar           plain greedy `generate`
     pld          transformers' prompt lookup (`prompt_lookup_num_tokens=N`)
     chain, tree  the ChainFlow drafter (`generate(assistant_model=drafter)`), chain / tree drafting
+    tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.lookup`)
     NAME-chain, NAME-tree   any extra drafter (`--drafter NAME=PATH`, e.g. a FlashMap-style drafter)
 
 Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Reported per arm and per domain:
@@ -152,14 +153,15 @@ class Arm:
 
 def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
                tree: tuple[int, int] | None = None, tree_budget: int | None = None,
-               default_drafter: str = "chainflow",
+               lookup: dict | None = None, default_drafter: str = "chainflow",
                only: list[str] | None = None) -> list[Arm]:
     """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
 
     `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
     length `num_assistant_tokens`, tree shape `tree_width` x `tree_depth` and `tree_budget`; `chain`/`tree`/
     `tree_budget` override them). The
-    default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `only` keeps the arms of
+    default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `lookup` (the
+    `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `only` keeps the arms of
     those names.
     """
     names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
@@ -173,6 +175,9 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
         budget = tree_budget if tree_budget is not None else getattr(g, "tree_budget", None)
         names.append((f"{prefix}tree", "tree", dname, {"tree_width": width, "tree_depth": depth,
                                                          "tree_budget": budget}))
+        if lookup is not None and dname == default_drafter:
+            names.append(("tree+lookup", "tree", dname, {"tree_width": width, "tree_depth": depth,
+                                                          "tree_budget": budget, **lookup}))
     if only is not None:
         known = [n[0] for n in names]
         unknown = [o for o in only if o not in known]
@@ -186,6 +191,7 @@ def configure_drafter(drafter, arm: Arm) -> None:
     """Set the drafter's `generation_config` for a chain or tree arm."""
     g = drafter.generation_config
     g.draft_mode = arm.kind
+    g.lookup_num_tokens = g.lookup_trust_ngram = None  # arms share a drafter: lookup only where an arm asks
     for k, v in arm.settings.items():
         setattr(g, k, v)
 
@@ -536,6 +542,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--tree-budget", type=int,
                    help="keep this many nodes of each tree, highest path probability first (default: the drafter's "
                         "tree_budget; none = all WIDTHxDEPTH)")
+    p.add_argument("--lookup-tokens", type=int,
+                   help="add a `tree+lookup` arm: the tree plus a prompt-lookup branch of this many tokens")
+    p.add_argument("--lookup-trust-ngram", type=int,
+                   help="in `tree+lookup`, a match this long is verified alone, without drafting (default: never)")
     p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
     p.add_argument("--limit", type=int, help="benchmark N prompts, stratified by domain")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -564,13 +574,23 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError(f"`--pld-tokens` must be a positive integer, got {args.pld_tokens!r}.")
     if args.chain is not None and args.chain < 1:
         raise ValueError(f"`--chain` must be a positive integer, got {args.chain!r}.")
+    lookup = None
+    for name in ("lookup_tokens", "lookup_trust_ngram"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}.")
+    if args.lookup_tokens is not None:
+        lookup = {"lookup_num_tokens": args.lookup_tokens, "lookup_trust_ngram": args.lookup_trust_ngram}
+    elif args.lookup_trust_ngram is not None:
+        raise ValueError("`--lookup-trust-ngram` needs `--lookup-tokens` (it tunes the `tree+lookup` arm).")
     if args.tree_budget is not None and args.tree_budget < 1:
         raise ValueError(f"`--tree-budget` must be a positive integer, got {args.tree_budget!r}.")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtypes = _parse_dtypes(args.dtypes)
     tree = _parse_tree(args.tree)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    wants_default = not args.no_default_drafter and (only is None or bool({"chain", "tree"} & set(only)))
+    default_arms = {"chain", "tree", "tree+lookup"}
+    wants_default = not args.no_default_drafter and (only is None or bool(default_arms & set(only)))
     paths = {"chainflow": args.drafter_path or str(default_drafter_path())} if wants_default else {}
     paths.update(_parse_extra_drafters(args.drafter))
 
@@ -586,7 +606,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
                                                                   dtype=DTYPE_NAMES[args.drafter_dtype]).eval()
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=args.pld_tokens,
-                      chain=args.chain, tree=tree, tree_budget=args.tree_budget, only=only)
+                      chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only)
     prompts = tokenize_prompts(tokenizer, rows)
     warmup = tokenize_prompts(tokenizer, [warm_row])[0]
     gen = models[dtypes[0]].generation_config

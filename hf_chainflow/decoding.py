@@ -8,7 +8,7 @@ It is reached through `target.generate(..., assistant_model=drafter)` when the d
 transformers prepares inputs, the cache, logits processors and stopping criteria; the loop then runs:
 
     1. prefill      the prompt in one forward -> first token (the root of round 1), committed states
-    2. draft        one drafter pass -> a chain or a tree
+    2. draft        one drafter pass -> a chain or a tree (+ an optional prompt-lookup branch)
     3. verify       one target forward over [root] + draft nodes (ancestor mask, depth positions)
     4. accept       greedy path matching / speculative rejection sampling on processed logits
     5. emit         accepted tokens + the target's bonus token, one at a time through the stopping criteria
@@ -26,6 +26,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .integration import draft_settings, needs_own_loop, validate_speculative_call
+from .lookup import prompt_lookup
 from .stats import SpeculativeStats
 from .tree import DraftTree
 from .verification import Acceptance, accept_greedy, accept_sampling, commit, verify_forward
@@ -72,8 +73,9 @@ def speculative_generate(
     Args:
         model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
         drafter: a bound `ChainFlowDrafter` (or `OracleDrafter`); drafting settings come from
-            `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`, `tree_budget`,
-            `num_flow_steps`).
+            `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`,
+            `tree_budget`, `num_flow_steps`, and the prompt-lookup branch `lookup_num_tokens`, `lookup_ngram`,
+            `lookup_trust_ngram`: see `hf_chainflow.lookup`).
         chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
 
@@ -125,15 +127,27 @@ def speculative_generate(
         # 2. Draft (never past max_length: a round adds accepted + 1 tokens).
         start = time.perf_counter()
         room = max_length - ids.shape[1] - 1
-        if room >= 1:
+        lookup, ngram = None, 0
+        if room >= 1 and settings["lookup_num_tokens"] is not None:
+            lookup, ngram = prompt_lookup(ids[0], min(settings["lookup_num_tokens"], room), settings["lookup_ngram"])
+        trusted = lookup is not None and settings["lookup_trust_ngram"] is not None and (
+            ngram >= settings["lookup_trust_ngram"])
+        if room < 1:
+            tree = _empty_tree(ids.device)
+        elif trusted:  # a long match: verify the looked-up branch alone, no drafter pass
+            tree = DraftTree.chain(lookup)
+        else:
             tree = drafter.draft(
                 states, ids, mode=settings["mode"], num_tokens=min(settings["num_tokens"], room),
                 tree_width=settings["tree_width"], tree_depth=min(settings["tree_depth"], room),
                 tree_budget=settings["tree_budget"],
                 num_flow_steps=settings["num_flow_steps"], do_sample=do_sample, temperature=temperature,
             )
-        else:
-            tree = _empty_tree(ids.device)
+            if lookup is not None:
+                tree = tree.with_chain(lookup)
+        if lookup is not None:
+            stats.lookup_rounds += 1
+            stats.lookup_only_rounds += int(trusted)
         stats.draft_time += time.perf_counter() - start
 
         # 3. Verify: one target forward over [root] + nodes.

@@ -21,6 +21,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from .candidate_generator import ChainFlowCandidateGenerator
+from .lookup import lookup_settings
 
 _UNSUPPORTED_CACHES = ("static", "offloaded", "offloaded_static", "quantized", "sliding_window", "hybrid",
                        "mamba", "hybrid_chunked")
@@ -53,6 +54,7 @@ def draft_settings(drafter) -> dict:
             f"`drafter.generation_config.draft_mode` must be 'chain' or 'tree', got {mode!r}."
         )
     settings = {
+        **lookup_settings(g),
         "mode": mode,
         "num_tokens": g.num_assistant_tokens,
         "tree_width": getattr(g, "tree_width", 8),
@@ -117,6 +119,12 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
             f"A ChainFlow drafter needs a `DynamicCache`, got {type(cache).__name__}. Pass no cache, or a "
             f"`DynamicCache`."
         )
+    if settings["lookup_num_tokens"] is not None and generation_config.do_sample:
+        raise ValueError(
+            f"Prompt-lookup branches (`drafter.generation_config.lookup_num_tokens={settings['lookup_num_tokens']}`) "
+            f"are greedy-only (they carry no draft distribution): set `do_sample=False`, or "
+            f"`drafter.generation_config.lookup_num_tokens = None` to sample."
+        )
     if settings["mode"] == "tree" and generation_config.do_sample:
         raise ValueError(
             "Tree drafting is greedy-only (a lossless multi-draft sampling scheme is not implemented): set "
@@ -140,6 +148,7 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
 def needs_own_loop(model, drafter, generation_config: GenerationConfig, stopping_criteria) -> bool:
     return (
         draft_settings(drafter)["mode"] == "tree"
+        or draft_settings(drafter)["lookup_num_tokens"] is not None
         or is_hybrid_target(model)
         or generation_config.stop_strings is not None
         or bool(stopping_criteria)

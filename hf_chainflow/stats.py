@@ -16,6 +16,7 @@ class SpeculativeStats:
         drafted_depth: draft depth per round (chain length or tree depth).
         draft_time / verify_time: seconds spent drafting / in target verification (+ acceptance, commit).
         prefill_time: seconds of the prompt forward.
+        lookup_rounds / lookup_only_rounds: rounds with a prompt-lookup branch / verified on that branch alone.
     """
 
     mode: str = "chain"
@@ -26,6 +27,8 @@ class SpeculativeStats:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     new_tokens: int = 0
+    lookup_rounds: int = 0
+    lookup_only_rounds: int = 0
 
     @property
     def rounds(self) -> int:
@@ -54,7 +57,8 @@ class SpeculativeStats:
             "mode": self.mode, "loop": self.loop, "rounds": self.rounds, "tau": self.tau,
             "accepted": list(self.accepted), "acceptance_per_depth": self.acceptance_per_depth(),
             "draft_time": self.draft_time, "verify_time": self.verify_time, "prefill_time": self.prefill_time,
-            "new_tokens": self.new_tokens,
+            "new_tokens": self.new_tokens, "lookup_rounds": self.lookup_rounds,
+            "lookup_only_rounds": self.lookup_only_rounds,
         }
 
 

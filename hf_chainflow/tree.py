@@ -91,6 +91,33 @@ class DraftTree:
                          logprobs=self.logprobs[keep],
                          draft_probs=None if self.draft_probs is None else self.draft_probs[keep])
 
+    def with_chain(self, tokens: torch.LongTensor) -> "DraftTree":
+        """This tree plus the root-to-leaf branch `tokens` `(k,)`: follows existing nodes while they match, then
+        adds new ones (log-probability 0: the drafter did not score them). Greedy trees only; order stays
+        breadth-first."""
+        if self.draft_probs is not None:
+            raise ValueError("`with_chain` adds unscored nodes; it is for greedy trees (no `draft_probs`).")
+        toks, parents, depths = self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, toks))}
+        node, added = -1, 0
+        for d, t in enumerate(tokens.tolist()):
+            if (node, t) not in child:
+                child[(node, t)] = len(toks)
+                toks.append(t), parents.append(node), depths.append(d + 1)
+                added += 1
+            node = child[(node, t)]
+        if not added:
+            return self
+        device = self.tokens.device
+        order = torch.sort(torch.tensor(depths), stable=True).indices  # breadth-first again
+        remap = torch.empty_like(order)
+        remap[order] = torch.arange(order.numel())
+        par = torch.tensor(parents)[order]
+        par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
+        logprobs = torch.cat([self.logprobs.cpu().float(), torch.zeros(added)])[order]
+        return DraftTree(tokens=torch.tensor(toks)[order].to(device), parents=par.to(device),
+                         depths=torch.tensor(depths)[order].to(device), logprobs=logprobs.to(self.logprobs.device))
+
     def ancestor_matrix(self) -> torch.BoolTensor:
         """`(N, N)` bool: `anc[i, j]` is True when node `j` is node `i` or one of its ancestors."""
         n = self.num_nodes

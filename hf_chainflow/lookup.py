@@ -1,0 +1,52 @@
+"""Prompt lookup as an extra branch of a ChainFlow draft (optional; off by default).
+
+SmolLM2's answers often copy spans of their own prompt or of what they already wrote (retrieval contexts, code,
+summaries). A learned drafter cannot copy text it never sees; an n-gram match over the committed tokens can, for
+free. With `drafter.generation_config.lookup_num_tokens = k`, each round of hf_chainflow's own loop looks the
+last n-gram up (longest first, `lookup_ngram` down to 1) in the committed tokens, takes the `k` tokens that
+followed its latest earlier occurrence, and
+
+- adds them to the ChainFlow tree as one more root-to-leaf branch (shared prefixes merge), or
+- when the match is at least `lookup_trust_ngram` tokens long, verifies that branch alone and skips drafting.
+
+Verification is unchanged (one forward, greedy path matching), so the output stays exactly plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def prompt_lookup(committed: torch.LongTensor, num_tokens: int, max_ngram: int = 3,
+                  min_ngram: int = 1) -> tuple[torch.LongTensor | None, int]:
+    """Continuation of the last n-gram of `committed` `(L,)` at its latest earlier occurrence.
+
+    Tries `n = max_ngram .. min_ngram`; returns `(tokens (<= num_tokens,), n)` for the first `n` that matches, or
+    `(None, 0)`.
+    """
+    L = committed.shape[0]
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        pattern = committed[L - n:]  # (n,)
+        windows = committed[: L - 1].unfold(0, n, 1)  # (L-n, n): window i covers i..i+n-1, followed by i+n <= L-1
+        hits = (windows == pattern).all(1).nonzero()[:, 0]  # (h,)
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return committed[start: start + num_tokens], n
+    return None, 0
+
+
+def lookup_settings(g) -> dict:
+    """The lookup fields of a drafter's generation config, validated (`ValueError` naming the field)."""
+    out = {"lookup_num_tokens": getattr(g, "lookup_num_tokens", None), "lookup_ngram": getattr(g, "lookup_ngram", 3),
+           "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None)}
+    for name, value in out.items():
+        if value is None and name != "lookup_ngram":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`drafter.generation_config.{name}` must be a positive integer"
+                             f"{'' if name == 'lookup_ngram' else ' or None (off)'}, got {value!r}.")
+    trust = out["lookup_trust_ngram"]
+    if trust is not None and trust > out["lookup_ngram"]:
+        raise ValueError(f"`drafter.generation_config.lookup_trust_ngram` ({trust}) cannot exceed `lookup_ngram` "
+                         f"({out['lookup_ngram']}), the longest n-gram looked up.")
+    return out

@@ -1,0 +1,83 @@
+"""The optional prompt-lookup branch: n-gram lookup, merging into a draft tree, lossless generation, refusals."""
+
+import pytest
+import torch
+
+import hf_chainflow  # noqa: F401  (installs the generate hook)
+from hf_chainflow import ChainFlowConfig, ChainFlowDrafter, DraftTree
+from hf_chainflow.lookup import prompt_lookup
+from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
+
+
+def test_prompt_lookup_takes_the_longest_latest_match():
+    ids = torch.tensor([5, 6, 7, 8, 9, 5, 6, 1, 2, 5, 6])
+    tokens, n = prompt_lookup(ids, num_tokens=3, max_ngram=3)
+    assert n == 2 and tokens.tolist() == [1, 2, 5]  # "5 6" last seen at 5..6, followed by 1 2 5
+    tokens, n = prompt_lookup(torch.tensor([1, 2, 3, 9, 1, 2, 3]), num_tokens=10, max_ngram=3)
+    assert n == 3 and tokens.tolist() == [9, 1, 2, 3]  # the continuation may run up to the last token
+    assert prompt_lookup(torch.tensor([1, 2, 3, 4]), num_tokens=3) == (None, 0)
+    tokens, n = prompt_lookup(torch.tensor([4, 7, 1, 4]), num_tokens=2, max_ngram=1)
+    assert n == 1 and tokens.tolist() == [7, 1]
+
+
+def test_with_chain_merges_shared_prefixes_breadth_first():
+    tree = DraftTree(tokens=torch.tensor([10, 11, 12, 13]), parents=torch.tensor([-1, -1, 0, 1]),
+                     depths=torch.tensor([1, 1, 2, 2]), logprobs=torch.tensor([-0.1, -0.2, -0.3, -0.4]))
+    merged = tree.with_chain(torch.tensor([10, 12, 14, 15]))  # follows 10 -> 12, then adds 14, 15
+    assert merged.num_nodes == 6
+    paths = {tuple(merged.tokens[merged.path_to(i)].tolist()) for i in range(merged.num_nodes)}
+    assert (10, 12, 14, 15) in paths and (11, 13) in paths
+    assert (merged.depths.diff() >= 0).all() and all(int(merged.parents[i]) < i for i in range(6))
+    assert tree.with_chain(torch.tensor([11, 13])) is tree  # nothing new
+    added = tree.with_chain(torch.tensor([20]))
+    assert added.num_nodes == 5 and added.depths.tolist() == [1, 1, 1, 2, 2]
+    assert int(added.tokens[2]) == 20 and float(added.logprobs[2]) == 0.0
+
+
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def family_setup(request):
+    target = tiny_target(request.param)
+    gen = torch.Generator().manual_seed(5)
+    prompts = []
+    for _ in range(6):  # repeated spans, so that lookups find matches
+        span = torch.randint(3, 256, (int(torch.randint(3, 12, (), generator=gen)),), generator=gen)
+        prompts.append(torch.cat([span, torch.randint(3, 256, (4,), generator=gen), span])[None])
+    refs = [target.generate(p, max_new_tokens=24, do_sample=False) for p in prompts]
+    return request.param, target, prompts, refs
+
+
+@pytest.mark.parametrize("mode,trust", [("tree", None), ("tree", 1), ("chain", None)])
+def test_lookup_branch_is_lossless(family_setup, mode, trust):
+    family, target, prompts, refs = family_setup
+    torch.manual_seed(0)
+    random = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, num_blocks=1, path_hidden_size=32,
+                                                         markov_rank=16)).eval().bind_target(target)
+    for drafter in (random, OracleDrafter(target, error_rate=0.3, seed=3)):
+        g = drafter.generation_config
+        g.draft_mode, g.tree_width, g.tree_depth, g.num_assistant_tokens = mode, 4, 3, 3
+        g.lookup_num_tokens, g.lookup_ngram, g.lookup_trust_ngram = 6, 3, trust
+        lookups = trusted = 0
+        for prompt, ref in zip(prompts, refs):
+            out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+            assert torch.equal(out, ref), (family, mode, trust, type(drafter).__name__)
+            assert drafter.last_stats.loop == "chainflow"  # lookup always runs in the own loop
+            lookups += drafter.last_stats.lookup_rounds
+            trusted += drafter.last_stats.lookup_only_rounds
+        assert lookups > 0
+        assert (trusted > 0) == (trust is not None)
+
+
+def test_lookup_refusals():
+    target = tiny_target("llama")
+    drafter = OracleDrafter(target)
+    prompt = torch.randint(3, 256, (1, 8))
+    drafter.generation_config.lookup_num_tokens = 4
+    with pytest.raises(ValueError, match="greedy-only .* `do_sample=False`"):
+        target.generate(prompt, max_new_tokens=4, do_sample=True, assistant_model=drafter)
+    drafter.generation_config.lookup_num_tokens = 0
+    with pytest.raises(ValueError, match=r"`drafter.generation_config.lookup_num_tokens` must be a positive integer "
+                                         r"or None \(off\), got 0"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.lookup_num_tokens, drafter.generation_config.lookup_trust_ngram = 4, 5
+    with pytest.raises(ValueError, match=r"generation_config.lookup_trust_ngram` \(5\) cannot exceed `lookup_ngram` \(3\)"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
