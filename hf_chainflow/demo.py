@@ -1,8 +1,9 @@
 """`hf-chainflow demo`: speculative decoding on the embedded default target and drafter, streamed, then compared
 with plain generation of the same prompts.
 
-    hf-chainflow demo                                  # chain drafting (the best measured mode), bfloat16, 3 prompts
-    hf-chainflow demo --mode tree --dtype float32      # tree verification; float32 outputs equal plain greedy exactly
+    hf-chainflow demo                                  # the drafter's own settings (best measured), bfloat16, 3 prompts
+    hf-chainflow demo --mode chain --dtype float32     # chain drafting; float32 outputs equal plain greedy exactly
+    hf-chainflow demo --no-lookup                      # pure ChainFlow drafting (no prompt-lookup branch)
 
 Each prompt is generated greedily with the drafter (`generate(assistant_model=drafter, streamer=TextStreamer)`),
 then plainly (same dtype, unprinted). The demo prints tau (tokens per target forward after the prefill, bonus
@@ -36,24 +37,46 @@ def _silent_streamer(tokenizer):
     return SilentStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str = "chain", max_new_tokens: int = 96,
-             print_fn=print) -> dict:
+def describe_settings(g) -> str:
+    """One line naming the drafting settings of a generation config, e.g. `tree 8x4 (12 nodes) + lookup 10`."""
+    if g.draft_mode == "chain":
+        text = f"chain of {g.num_assistant_tokens}"
+    else:
+        budget = getattr(g, "tree_budget", None)
+        text = f"tree {g.tree_width}x{g.tree_depth}" + (f" cut to {budget} nodes" if budget else "")
+    k = getattr(g, "lookup_num_tokens", None)
+    if k:
+        trust = getattr(g, "lookup_trust_ngram", None)
+        text += f" + prompt-lookup branch of {k}" + (f" (alone on {trust}-gram matches)" if trust else "")
+    return text
+
+
+def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | None = None, lookup: bool | None = None,
+             max_new_tokens: int = 96, print_fn=print) -> dict:
     """Stream speculative generations of `prompts`, then time plain generation of the same prompts.
 
-    `drafter` must be bound to `target`; `mode` is `"chain"` or `"tree"` (the shape stays the drafter's
-    `generation_config`). Returns `{"tau", "speedup", "identical", "speculative_seconds", "plain_seconds", ...}`.
+    `drafter` must be bound to `target`; `mode` is `"chain"` or `"tree"` (`None`: the drafter's `generation_config`;
+    the shape stays the drafter's); `lookup=False` switches the prompt-lookup branch off (`None`: the drafter's
+    setting). Returns `{"tau", "speedup", "identical", "speculative_seconds", "plain_seconds", ...}`.
     """
     from transformers import TextStreamer
 
     from .stats import SpeculativeStats
 
-    if mode not in ("chain", "tree"):
+    if mode not in (None, "chain", "tree"):
         raise ValueError(f"`--mode` must be 'chain' or 'tree', got {mode!r}.")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"`--max-new-tokens` must be a positive integer, got {max_new_tokens!r}.")
     if not prompts:
         raise ValueError("`prompts` is empty: give at least one prompt.")
-    drafter.generation_config.draft_mode = mode
+    g = drafter.generation_config
+    if mode is not None:
+        g.draft_mode = mode
+    if lookup is False:
+        g.lookup_num_tokens = None
+    mode = g.draft_mode
+    described = describe_settings(g)
+    print_fn(f"drafting: {described}")
     gen = target.generation_config
     encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
@@ -85,12 +108,12 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str = "c
     spec_rate = sum(len(t) for t, _ in spec) / sum(s for _, s in spec)
     plain_rate = sum(len(t) for t, _ in plain) / sum(s for _, s in plain)
     identical = [a[0] == b[0] for a, b in zip(spec, plain)]
-    summary = {"mode": mode, "dtype": str(target.dtype).replace("torch.", ""), "tau": pooled.tau,
+    summary = {"mode": mode, "settings": described, "dtype": str(target.dtype).replace("torch.", ""), "tau": pooled.tau,
                "acceptance_per_depth": pooled.acceptance_per_depth(), "speculative_tokens_per_second": spec_rate,
                "plain_tokens_per_second": plain_rate, "speedup": spec_rate / plain_rate,
                "identical": identical, "speculative_seconds": sum(s for _, s in spec),
                "plain_seconds": sum(s for _, s in plain)}
-    print_fn(f"\n{mode} drafting in {summary['dtype']}: tau {pooled.tau:.2f} tokens per target forward, "
+    print_fn(f"\n{described}, {summary['dtype']}: tau {pooled.tau:.2f} tokens per target forward, "
              f"{spec_rate:.1f} tok/s vs plain {plain_rate:.1f} tok/s -> speedup {summary['speedup']:.2f}x; "
              f"outputs identical to plain generation on {sum(identical)}/{len(identical)} prompts"
              + ("" if all(identical) or summary["dtype"] == "float32" else
@@ -103,7 +126,8 @@ def add_demo_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
     p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
-    p.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    p.add_argument("--mode", choices=("chain", "tree"), help="draft mode (default: the drafter's generation config)")
+    p.add_argument("--no-lookup", action="store_true", help="switch the prompt-lookup branch off (pure ChainFlow)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 3 built-in prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -124,7 +148,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     target, tokenizer = load_model_and_tokenizer(args.target, dtype)
     drafter = ChainFlowDrafter.from_pretrained(path, target=target, dtype=torch.float32).eval()
     run_demo(target, tokenizer, drafter, args.prompt or DEMO_PROMPTS, mode=args.mode,
-             max_new_tokens=args.max_new_tokens)
+             lookup=False if args.no_lookup else None, max_new_tokens=args.max_new_tokens)
     return 0
 
 

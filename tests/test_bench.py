@@ -181,7 +181,7 @@ def saved(tmp_path_factory):
     torch.manual_seed(0)
     drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER))
     g = drafter.generation_config
-    g.tree_width, g.tree_depth, g.tree_budget = 3, 2, 4
+    g.tree_width, g.tree_depth, g.tree_budget, g.lookup_num_tokens = 3, 2, 4, 3
     drafter.save_pretrained(tmp / "drafter")
     return tmp
 
@@ -212,3 +212,9 @@ def test_demo_command(saved, capsys):
                  "float32", "--prompt", "Say hi.", "--max-new-tokens", "5", "--threads", "1"]) == 0
     text = capsys.readouterr().out
     assert "tau" in text and "speedup" in text and "identical to plain generation on 1/1 prompts" in text
+    assert "drafting: chain of 3 + prompt-lookup branch of 3" in text  # the drafter's own settings by default
+    assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
+                 "float32", "--prompt", "Say hi.", "--max-new-tokens", "5", "--threads", "1", "--mode", "tree",
+                 "--no-lookup"]) == 0
+    text = capsys.readouterr().out
+    assert "drafting: tree 3x2 cut to 4 nodes\n" in text and "identical to plain generation on 1/1 prompts" in text
