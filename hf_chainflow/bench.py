@@ -543,7 +543,8 @@ def add_bench_parser(sub) -> None:
                    help="keep this many nodes of each tree, highest path probability first (default: the drafter's "
                         "tree_budget; none = all WIDTHxDEPTH)")
     p.add_argument("--lookup-tokens", type=int,
-                   help="add a `tree+lookup` arm: the tree plus a prompt-lookup branch of this many tokens")
+                   help="add a `tree+lookup` arm: the tree plus a prompt-lookup branch of this many tokens (default: "
+                        "the drafter's `lookup_num_tokens`; the arm is added when either is set)")
     p.add_argument("--lookup-trust-ngram", type=int,
                    help="in `tree+lookup`, a match this long is verified alone, without drafting (default: never)")
     p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
@@ -605,6 +606,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         for name, path in paths.items():
             drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
                                                                   dtype=DTYPE_NAMES[args.drafter_dtype]).eval()
+    if lookup is None and "chainflow" in drafters:  # the default drafter's own lookup setting, if it has one
+        g = drafters["chainflow"][dtypes[0]].generation_config
+        if getattr(g, "lookup_num_tokens", None) is not None:
+            lookup = {"lookup_num_tokens": g.lookup_num_tokens,
+                      "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None)}
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=args.pld_tokens,
                       chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only)
     prompts = tokenize_prompts(tokenizer, rows)

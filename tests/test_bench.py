@@ -191,13 +191,16 @@ def test_bench_command(saved, capsys):
 
     out = saved / "run"
     assert main(["bench", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"),
-                 "--drafter", f"other={saved / 'drafter'}", "--arms", "ar,pld,tree,other-chain", "--limit", "2",
+                 "--drafter", f"other={saved / 'drafter'}", "--arms", "ar,pld,tree,tree+lookup,other-chain",
+                 "--limit", "2",
                  "--max-new-tokens", "6", "--threads", "1", "--output-dir", str(out), "--no-progress"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "other-chain")
+    assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "tree+lookup", "other-chain")
                                     for dt in ("float32", "bfloat16")}
     assert results["settings"]["num_prompts"] == 2 and len(results["domains"]) == 2  # stratified
     assert results["arms"]["tree@float32"]["settings"] == {"tree_width": 3, "tree_depth": 2, "tree_budget": 4}
+    assert results["arms"]["tree+lookup@float32"]["settings"] == {  # the drafter's own lookup setting
+        "tree_width": 3, "tree_depth": 2, "tree_budget": 4, "lookup_num_tokens": 3, "lookup_trust_ngram": None}
     for key, a in results["arms"].items():
         if a["dtype"] == "float32":
             assert a["unexplained_mismatches"] == 0, a["mismatch_details"]
