@@ -7,7 +7,7 @@ per source / expert count / feedback setting, are beyond this CPU budget and not
 - source at serving: extrapolate (trained) / repeat / noise;
 - serving flow steps: 1 / 2 / 4;
 - token feedback: markov+path (trained) / markov only / none (heads switched off);
-- tree shapes: offline tree tau for several `W x D`.
+- tree shapes: offline tree tau for several `W x D`, and the 8x4 tree cut to its N most probable nodes.
 Writes `ablations.json` and prints a Markdown table.
 """
 
@@ -78,6 +78,9 @@ def main():
         run("token feedback", fb, variant(drafter, feedback=fb))
     for shape in ((1, 4), (4, 4), (8, 4), (16, 4), (8, 6)):
         run("tree shape", f"{shape[0]}x{shape[1]}", drafter, tree=shape, max_tree_windows=args.max_tree_windows)
+    for budget in (4, 8, 12, 16, 24):  # the `budget` most probable nodes of the 8x4 tree (verify budget + 1 tokens)
+        run("tree budget (8x4)", f"{budget} nodes", drafter, tree=(8, 4), tree_budget=budget,
+            max_tree_windows=args.max_tree_windows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablations.json").write_text(json.dumps({"drafter": args.drafter, "shards": args.shards,
