@@ -79,10 +79,17 @@ def main():
             f"full draft, tree {g.tree_width}x{g.tree_depth}": timed(
                 lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth),
                 args.repeats),
+            f"full draft, chain {g.num_assistant_tokens}": timed(
+                lambda: drafter.draft(h, ids, mode="chain", num_tokens=g.num_assistant_tokens), args.repeats),
         }
+        budget = getattr(g, "tree_budget", None)
+        if budget:
+            rows[f"full draft, tree {g.tree_width}x{g.tree_depth} cut to {budget} nodes"] = timed(
+                lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
+                                      tree_budget=budget), args.repeats)
         cache = out.cache if "cache" in out else out.past_key_values
         past = cache.get_seq_length()
-        for n in (1, 4, 8, 33):
+        for n in (1, 4, 8, 13, 33):
             def step(n=n):
                 target(torch.randint(100, 20000, (1, n)), cache=cache, use_cache=True)
                 cache.crop(-n)
