@@ -64,6 +64,12 @@ def test_lora_adapter_trains_saves_reloads_switches_and_leaves_the_base_alone(se
     assert len(opt_params) == len(trainable)  # only LoRA weights are optimised
     tr_chains = chains(model, windows)
     assert not torch.equal(tr_chains, base_chains)  # the adapter changes the drafts
+    # LoRA wraps `path_head.out`: serving must not use the fold of the base weights, and the search still runs
+    assert unwrap_drafter(model).serving_feedback_weight() is None
+    w = windows[0]
+    tree = unwrap_drafter(model).draft(w["context_states"][None], w["prev_tokens"][None], mode="tree",
+                                       tree_width=4, tree_depth=3, tree_budget=6)
+    assert tree.num_nodes == 6
     with model.disable_adapter():
         assert torch.equal(chains(model, windows), base_chains)
 
@@ -87,6 +93,7 @@ def test_lora_adapter_trains_saves_reloads_switches_and_leaves_the_base_alone(se
     for k, v in unloaded.state_dict().items():
         assert torch.equal(v, base_state[k]), k
     assert torch.equal(chains(unloaded, windows), base_chains)
+    assert unloaded.serving_feedback_weight() is not None  # plain layers again: the fold is back
 
     # Reload the saved adapter onto a freshly loaded base: the same drafts as after training.
     fresh = ChainFlowDrafter.from_pretrained(base_dir, target=target)
