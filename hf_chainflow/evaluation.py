@@ -53,7 +53,8 @@ def reference_chain(drafter, window: dict, num_tokens: int, num_flow_steps: int 
 @torch.no_grad()
 def draft_chains(drafter, context_states: torch.Tensor, context_mask: torch.Tensor, committed: torch.Tensor,
                  num_tokens: int, num_flow_steps: int | None = None) -> torch.Tensor:
-    """Greedy chains for a batch of windows, the same computation as `drafter.draft(..., mode="chain")`.
+    """Greedy chains for a batch of windows, the same maths as `drafter.draft(..., mode="chain")` (which evaluates
+    the feedback heads folded, `serving_feedback_weight`: a near-tie between candidates can round the other way).
 
     context_states `(B, C, D)`, context_mask `(B, C)`, committed `(B, p)` (last = bonus) -> tokens `(B, k)`.
     The two-pass candidate head keeps, per window, the top `candidate_budget` rows by their best score over the
