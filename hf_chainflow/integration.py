@@ -146,9 +146,10 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
 
 
 def needs_own_loop(model, drafter, generation_config: GenerationConfig, stopping_criteria) -> bool:
+    settings = draft_settings(drafter)
     return (
-        draft_settings(drafter)["mode"] == "tree"
-        or draft_settings(drafter)["lookup_num_tokens"] is not None
+        settings["mode"] == "tree"
+        or settings["lookup_num_tokens"] is not None
         or is_hybrid_target(model)
         or generation_config.stop_strings is not None
         or bool(stopping_criteria)

@@ -64,12 +64,21 @@ class DraftTree:
 
     def cumulative_logprobs(self) -> torch.FloatTensor:
         """`(N,)` drafter log-probability of each node's whole root-to-node path."""
-        cum = self.logprobs.clone()
-        parents = self.parents.tolist()
-        for i in range(self.num_nodes):  # breadth-first: a parent is final before its children
-            if parents[i] >= 0:
-                cum[i] += cum[parents[i]]
-        return cum
+        cum = self.logprobs.tolist()
+        for i, parent in enumerate(self.parents.tolist()):  # breadth-first: a parent is final before its children
+            if parent >= 0:
+                cum[i] += cum[parent]
+        return torch.tensor(cum, dtype=self.logprobs.dtype, device=self.logprobs.device)
+
+    def _take(self, index: torch.LongTensor) -> "DraftTree":
+        """The nodes `index` `(m,)` (every kept node's parent kept, parents listed first), parents renumbered."""
+        remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.parents.device)
+        remap[index] = torch.arange(index.numel(), device=index.device)
+        parents = self.parents[index]
+        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)  # (m,)
+        return DraftTree(tokens=self.tokens[index], parents=parents, depths=self.depths[index],
+                         logprobs=self.logprobs[index],
+                         draft_probs=None if self.draft_probs is None else self.draft_probs[index])
 
     def top_nodes(self, budget: int) -> "DraftTree":
         """The subtree of the `budget` nodes with the highest path log-probability (EAGLE-2-style reranking).
@@ -82,14 +91,7 @@ class DraftTree:
         if budget >= self.num_nodes:
             return self
         order = torch.sort(self.cumulative_logprobs(), descending=True, stable=True).indices  # (N,)
-        keep = order[:budget].sort().values  # (budget,) breadth-first
-        remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.parents.device)
-        remap[keep] = torch.arange(budget, device=keep.device)
-        parents = self.parents[keep]
-        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)  # (budget,)
-        return DraftTree(tokens=self.tokens[keep], parents=parents, depths=self.depths[keep],
-                         logprobs=self.logprobs[keep],
-                         draft_probs=None if self.draft_probs is None else self.draft_probs[keep])
+        return self._take(order[:budget].sort().values)  # breadth-first
 
     def with_chain(self, tokens: torch.LongTensor) -> "DraftTree":
         """This tree plus the root-to-leaf branch `tokens` `(k,)`: follows existing nodes while they match, then
@@ -109,14 +111,10 @@ class DraftTree:
         if not added:
             return self
         device = self.tokens.device
-        order = torch.sort(torch.tensor(depths), stable=True).indices  # breadth-first again
-        remap = torch.empty_like(order)
-        remap[order] = torch.arange(order.numel())
-        par = torch.tensor(parents)[order]
-        par = torch.where(par >= 0, remap[par.clamp(min=0)], par)
-        logprobs = torch.cat([self.logprobs.cpu().float(), torch.zeros(added)])[order]
-        return DraftTree(tokens=torch.tensor(toks)[order].to(device), parents=par.to(device),
-                         depths=torch.tensor(depths)[order].to(device), logprobs=logprobs.to(self.logprobs.device))
+        grown = DraftTree(tokens=torch.tensor(toks, device=device), parents=torch.tensor(parents, device=device),
+                          depths=torch.tensor(depths, device=device),
+                          logprobs=torch.cat([self.logprobs, self.logprobs.new_zeros(added)]))
+        return grown._take(torch.sort(grown.depths, stable=True).indices)  # breadth-first again
 
     def ancestor_matrix(self) -> torch.BoolTensor:
         """`(N, N)` bool: `anc[i, j]` is True when node `j` is node `i` or one of its ancestors."""
