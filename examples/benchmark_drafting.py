@@ -1,10 +1,11 @@
 """Micro-benchmark (not a test): drafting latency of a ChainFlow drafter on the real SmolLM2 target, split into
 VAE / flow / head / search, next to the target's own one-token step and multi-token verification times.
 
-    python examples/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300]
+    python examples/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300] [--compile]
 
 Without `--drafter`, a randomly initialised drafter with the default config for the target is timed (latency does
-not depend on the weights' values).
+not depend on the weights' values). `--compile` also times the drafting round with the transport
+(`ChainFlowDrafter.predict_states`: VAE encode, flow, VAE decode) wrapped in `torch.compile`, and the compile time.
 """
 
 import argparse
@@ -37,6 +38,8 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
     parser.add_argument("--shortlist-from", default=None,
                         help="prepared data dir whose shortlist the random drafter uses (default: none)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time drafting with predict_states under torch.compile (an experiment, not served)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -87,6 +90,18 @@ def main():
             rows[f"full draft, tree {g.tree_width}x{g.tree_depth} cut to {budget} nodes"] = timed(
                 lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
                                       tree_budget=budget), args.repeats)
+        if args.compile:
+            eager = drafter.predict_states
+            drafter.predict_states = torch.compile(eager, dynamic=False)
+            start = time.perf_counter()
+            drafter.predict_states(h)
+            rows["torch.compile of predict_states (one-off, s)"] = time.perf_counter() - start
+            rows["compiled: predict_states"] = timed(lambda: drafter.predict_states(h), args.repeats)
+            rows["eager: predict_states"] = timed(lambda: eager(h), args.repeats)
+            rows[f"compiled: full draft, tree {g.tree_width}x{g.tree_depth}"] = timed(
+                lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
+                                      tree_budget=budget), args.repeats)
+            drafter.predict_states = eager
         cache = out.cache if "cache" in out else out.past_key_values
         past = cache.get_seq_length()
         for n in (1, 4, 8, 13, 33):

@@ -191,7 +191,8 @@ def configure_drafter(drafter, arm: Arm) -> None:
     """Set the drafter's `generation_config` for a chain or tree arm."""
     g = drafter.generation_config
     g.draft_mode = arm.kind
-    g.lookup_num_tokens = g.lookup_trust_ngram = None  # arms share a drafter: lookup only where an arm asks
+    g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = None  # arms share a drafter: lookup only
+    # where an arm asks
     for k, v in arm.settings.items():
         setattr(g, k, v)
 
@@ -547,6 +548,9 @@ def add_bench_parser(sub) -> None:
                         "the drafter's `lookup_num_tokens`; the arm is added when either is set)")
     p.add_argument("--lookup-trust-ngram", type=int,
                    help="in `tree+lookup`, a match this long is verified alone, without drafting (default: never)")
+    p.add_argument("--lookup-max-tokens", type=int,
+                   help="in `tree+lookup`, let a branch verified alone and accepted whole grow up to this many tokens "
+                        "(default: fixed length)")
     p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
     p.add_argument("--limit", type=int, help="benchmark N prompts, stratified by domain")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -576,14 +580,18 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.chain is not None and args.chain < 1:
         raise ValueError(f"`--chain` must be a positive integer, got {args.chain!r}.")
     lookup = None
-    for name in ("lookup_tokens", "lookup_trust_ngram"):
+    for name in ("lookup_tokens", "lookup_trust_ngram", "lookup_max_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}.")
     if args.lookup_tokens is not None:
-        lookup = {"lookup_num_tokens": args.lookup_tokens, "lookup_trust_ngram": args.lookup_trust_ngram}
-    elif args.lookup_trust_ngram is not None:
-        raise ValueError("`--lookup-trust-ngram` needs `--lookup-tokens` (it tunes the `tree+lookup` arm).")
+        lookup = {"lookup_num_tokens": args.lookup_tokens, "lookup_trust_ngram": args.lookup_trust_ngram,
+                  "lookup_max_tokens": args.lookup_max_tokens}
+    else:
+        for name in ("lookup_trust_ngram", "lookup_max_tokens"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"`--{name.replace('_', '-')}` needs `--lookup-tokens` (it tunes the `tree+lookup` "
+                                 "arm).")
     if args.tree_budget is not None and args.tree_budget < 1:
         raise ValueError(f"`--tree-budget` must be a positive integer, got {args.tree_budget!r}.")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -610,7 +618,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         g = drafters["chainflow"][dtypes[0]].generation_config
         if getattr(g, "lookup_num_tokens", None) is not None:
             lookup = {"lookup_num_tokens": g.lookup_num_tokens,
-                      "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None)}
+                      "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
+                      "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=args.pld_tokens,
                       chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only)
     prompts = tokenize_prompts(tokenizer, rows)

@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .integration import draft_settings, needs_own_loop, validate_speculative_call
-from .lookup import prompt_lookup
+from .lookup import next_lookup_length, prompt_lookup
 from .stats import SpeculativeStats
 from .tree import DraftTree
 from .verification import Acceptance, accept_greedy, accept_sampling, commit, verify_forward
@@ -75,7 +75,7 @@ def speculative_generate(
         drafter: a bound `ChainFlowDrafter` (or `OracleDrafter`); drafting settings come from
             `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`,
             `tree_budget`, `num_flow_steps`, and the prompt-lookup branch `lookup_num_tokens`, `lookup_ngram`,
-            `lookup_trust_ngram`: see `hf_chainflow.lookup`).
+            `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`).
         chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
 
@@ -123,15 +123,18 @@ def speculative_generate(
         streamer.put(ids[:, -1:].cpu())
     done = stop_now(ids)
 
+    lookup_len = settings["lookup_num_tokens"]  # grows on fully accepted trusted branches (`lookup_max_tokens`)
     while not done:
         # 2. Draft (never past max_length: a round adds accepted + 1 tokens).
         start = time.perf_counter()
         room = max_length - ids.shape[1] - 1
         lookup, ngram = None, 0
         if room >= 1 and settings["lookup_num_tokens"] is not None:
-            lookup, ngram = prompt_lookup(ids[0], min(settings["lookup_num_tokens"], room), settings["lookup_ngram"])
+            lookup, ngram = prompt_lookup(ids[0], min(lookup_len, room), settings["lookup_ngram"])
         trusted = lookup is not None and settings["lookup_trust_ngram"] is not None and (
             ngram >= settings["lookup_trust_ngram"])
+        if lookup is not None and not trusted:  # merged into a tree: the base length keeps the verify narrow
+            lookup = lookup[: settings["lookup_num_tokens"]]
         if room < 1:
             tree = _empty_tree(ids.device)
         elif trusted:  # a long match: verify the looked-up branch alone, no drafter pass
@@ -148,6 +151,7 @@ def speculative_generate(
         if lookup is not None:
             stats.lookup_rounds += 1
             stats.lookup_only_rounds += int(trusted)
+            stats.longest_lookup = max(stats.longest_lookup, int(lookup.shape[0]))
         stats.draft_time += time.perf_counter() - start
 
         # 3. Verify: one target forward over [root] + nodes.
@@ -175,6 +179,10 @@ def speculative_generate(
                 break
         if streamer is not None:
             streamer.put(ids[:, -emitted:].cpu())
+
+        if trusted and settings["lookup_max_tokens"] is not None:  # a copy that held: try a longer one next time
+            lookup_len = next_lookup_length(lookup_len, len(acc.nodes), tree.num_nodes,
+                                            settings["lookup_num_tokens"], settings["lookup_max_tokens"])
 
         # 6. Compact the cache to prefix + root + accepted path; roll the committed states forward.
         if not done:

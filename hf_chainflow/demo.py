@@ -46,8 +46,12 @@ def describe_settings(g) -> str:
         text = f"tree {g.tree_width}x{g.tree_depth}" + (f" cut to {budget} nodes" if budget else "")
     k = getattr(g, "lookup_num_tokens", None)
     if k:
-        trust = getattr(g, "lookup_trust_ngram", None)
-        text += f" + prompt-lookup branch of {k}" + (f" (alone on {trust}-gram matches)" if trust else "")
+        trust, longest = getattr(g, "lookup_trust_ngram", None), getattr(g, "lookup_max_tokens", None)
+        if trust:
+            grows = f", growing to {longest} while accepted whole" if longest else ""
+            text += f" + prompt-lookup branch of {k} (alone on {trust}-gram matches{grows})"
+        else:
+            text += f" + prompt-lookup branch of {k}"
     return text
 
 

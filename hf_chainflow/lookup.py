@@ -9,6 +9,11 @@ followed its latest earlier occurrence, and
 - adds them to the ChainFlow tree as one more root-to-leaf branch (shared prefixes merge), or
 - when the match is at least `lookup_trust_ngram` tokens long, verifies that branch alone and skips drafting.
 
+With `lookup_max_tokens = m` (default None: fixed length), a branch verified alone and accepted whole is followed
+by one twice as long, up to `m`, and one accepted in part by one as long as what held (+1), never below `k`: long
+copies (a retrieved passage, a repeated code block) then take fewer rounds. Merged branches keep `k` tokens, so
+the tree's verify stays narrow.
+
 Verification is unchanged (one forward, greedy path matching), so the output stays exactly plain greedy decoding.
 """
 
@@ -35,10 +40,20 @@ def prompt_lookup(committed: torch.LongTensor, num_tokens: int, max_ngram: int =
     return None, 0
 
 
+def next_lookup_length(current: int, held: int, verified: int, base: int, longest: int) -> int:
+    """Length of the next looked-up branch after one verified alone: `held` of its `verified` tokens were accepted.
+
+    Accepted whole -> twice `current`; in part -> `held + 1`; always within `[base, longest]`.
+    """
+    grown = 2 * current if held == verified else held + 1
+    return max(base, min(grown, longest))
+
+
 def lookup_settings(g) -> dict:
     """The lookup fields of a drafter's generation config, validated (`ValueError` naming the field)."""
     out = {"lookup_num_tokens": getattr(g, "lookup_num_tokens", None), "lookup_ngram": getattr(g, "lookup_ngram", 3),
-           "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None)}
+           "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
+           "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
     for name, value in out.items():
         if value is None and name != "lookup_ngram":
             continue
@@ -49,4 +64,14 @@ def lookup_settings(g) -> dict:
     if trust is not None and trust > out["lookup_ngram"]:
         raise ValueError(f"`drafter.generation_config.lookup_trust_ngram` ({trust}) cannot exceed `lookup_ngram` "
                          f"({out['lookup_ngram']}), the longest n-gram looked up.")
+    longest = out["lookup_max_tokens"]
+    if longest is not None and out["lookup_num_tokens"] is not None:
+        if longest < out["lookup_num_tokens"]:
+            raise ValueError(f"`drafter.generation_config.lookup_max_tokens` ({longest}) cannot be smaller than "
+                             f"`lookup_num_tokens` ({out['lookup_num_tokens']}); use None to keep the branch length "
+                             "fixed.")
+        if trust is None:
+            raise ValueError(f"`drafter.generation_config.lookup_max_tokens` ({longest}) needs `lookup_trust_ngram`: "
+                             "only branches verified alone grow. Set `lookup_trust_ngram` (e.g. 2) or "
+                             "`lookup_max_tokens=None`.")
     return out

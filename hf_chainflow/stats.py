@@ -17,6 +17,7 @@ class SpeculativeStats:
         draft_time / verify_time: seconds spent drafting / in target verification (+ acceptance, commit).
         prefill_time: seconds of the prompt forward.
         lookup_rounds / lookup_only_rounds: rounds with a prompt-lookup branch / verified on that branch alone.
+        longest_lookup: the longest looked-up branch verified (it grows with `lookup_max_tokens`).
     """
 
     mode: str = "chain"
@@ -29,6 +30,7 @@ class SpeculativeStats:
     new_tokens: int = 0
     lookup_rounds: int = 0
     lookup_only_rounds: int = 0
+    longest_lookup: int = 0
 
     @property
     def rounds(self) -> int:
@@ -58,7 +60,7 @@ class SpeculativeStats:
             "accepted": list(self.accepted), "acceptance_per_depth": self.acceptance_per_depth(),
             "draft_time": self.draft_time, "verify_time": self.verify_time, "prefill_time": self.prefill_time,
             "new_tokens": self.new_tokens, "lookup_rounds": self.lookup_rounds,
-            "lookup_only_rounds": self.lookup_only_rounds,
+            "lookup_only_rounds": self.lookup_only_rounds, "longest_lookup": self.longest_lookup,
         }
 
 

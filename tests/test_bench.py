@@ -200,7 +200,8 @@ def test_bench_command(saved, capsys):
     assert results["settings"]["num_prompts"] == 2 and len(results["domains"]) == 2  # stratified
     assert results["arms"]["tree@float32"]["settings"] == {"tree_width": 3, "tree_depth": 2, "tree_budget": 4}
     assert results["arms"]["tree+lookup@float32"]["settings"] == {  # the drafter's own lookup setting
-        "tree_width": 3, "tree_depth": 2, "tree_budget": 4, "lookup_num_tokens": 3, "lookup_trust_ngram": None}
+        "tree_width": 3, "tree_depth": 2, "tree_budget": 4, "lookup_num_tokens": 3, "lookup_trust_ngram": None,
+        "lookup_max_tokens": None}
     for key, a in results["arms"].items():
         if a["dtype"] == "float32":
             assert a["unexplained_mismatches"] == 0, a["mismatch_details"]
@@ -221,3 +222,18 @@ def test_demo_command(saved, capsys):
                  "--no-lookup"]) == 0
     text = capsys.readouterr().out
     assert "drafting: tree 3x2 cut to 4 nodes\n" in text and "identical to plain generation on 1/1 prompts" in text
+
+
+def test_describe_settings_names_every_drafting_knob():
+    from types import SimpleNamespace
+
+    from hf_chainflow.demo import describe_settings
+
+    g = SimpleNamespace(draft_mode="tree", tree_width=8, tree_depth=4, tree_budget=12, lookup_num_tokens=10,
+                        lookup_trust_ngram=2, lookup_max_tokens=32)
+    assert describe_settings(g) == ("tree 8x4 cut to 12 nodes + prompt-lookup branch of 10 (alone on 2-gram matches, "
+                                    "growing to 32 while accepted whole)")
+    g.lookup_max_tokens = None
+    assert describe_settings(g).endswith("branch of 10 (alone on 2-gram matches)")
+    g.draft_mode, g.num_assistant_tokens, g.lookup_num_tokens = "chain", 3, None
+    assert describe_settings(g) == "chain of 3"

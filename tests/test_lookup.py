@@ -5,7 +5,7 @@ import torch
 
 import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter, DraftTree
-from hf_chainflow.lookup import prompt_lookup
+from hf_chainflow.lookup import next_lookup_length, prompt_lookup
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
 
 
@@ -18,6 +18,14 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert prompt_lookup(torch.tensor([1, 2, 3, 4]), num_tokens=3) == (None, 0)
     tokens, n = prompt_lookup(torch.tensor([4, 7, 1, 4]), num_tokens=2, max_ngram=1)
     assert n == 1 and tokens.tolist() == [7, 1]
+
+
+def test_next_lookup_length_grows_on_whole_copies_and_shrinks_to_what_held():
+    assert next_lookup_length(10, held=10, verified=10, base=10, longest=32) == 20  # accepted whole: double
+    assert next_lookup_length(20, held=20, verified=20, base=10, longest=32) == 32  # capped at the longest
+    assert next_lookup_length(32, held=25, verified=32, base=10, longest=32) == 26  # in part: what held + 1
+    assert next_lookup_length(32, held=3, verified=32, base=10, longest=32) == 10  # never below the base
+    assert next_lookup_length(10, held=4, verified=4, base=10, longest=32) == 20  # a short continuation, all taken
 
 
 def test_with_chain_merges_shared_prefixes_breadth_first():
@@ -46,8 +54,9 @@ def family_setup(request):
     return request.param, target, prompts, refs
 
 
-@pytest.mark.parametrize("mode,trust", [("tree", None), ("tree", 1), ("chain", None)])
-def test_lookup_branch_is_lossless(family_setup, mode, trust):
+@pytest.mark.parametrize("mode,trust,longest", [("tree", None, None), ("tree", 1, None), ("chain", None, None),
+                                                ("tree", 1, 16)])
+def test_lookup_branch_is_lossless(family_setup, mode, trust, longest):
     family, target, prompts, refs = family_setup
     torch.manual_seed(0)
     random = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, num_blocks=1, path_hidden_size=32,
@@ -55,16 +64,18 @@ def test_lookup_branch_is_lossless(family_setup, mode, trust):
     for drafter in (random, OracleDrafter(target, error_rate=0.3, seed=3)):
         g = drafter.generation_config
         g.draft_mode, g.tree_width, g.tree_depth, g.num_assistant_tokens = mode, 4, 3, 3
-        g.lookup_num_tokens, g.lookup_ngram, g.lookup_trust_ngram = 6, 3, trust
-        lookups = trusted = 0
+        g.lookup_num_tokens, g.lookup_ngram, g.lookup_trust_ngram, g.lookup_max_tokens = 6, 3, trust, longest
+        lookups = trusted = branch = 0
         for prompt, ref in zip(prompts, refs):
             out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
             assert torch.equal(out, ref), (family, mode, trust, type(drafter).__name__)
             assert drafter.last_stats.loop == "chainflow"  # lookup always runs in the own loop
             lookups += drafter.last_stats.lookup_rounds
             trusted += drafter.last_stats.lookup_only_rounds
+            branch = max(branch, drafter.last_stats.longest_lookup)
         assert lookups > 0
         assert (trusted > 0) == (trust is not None)
+        assert branch >= 1 and (longest is not None or branch <= 6), branch
 
 
 def test_lookup_refusals():
@@ -80,4 +91,15 @@ def test_lookup_refusals():
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.lookup_num_tokens, drafter.generation_config.lookup_trust_ngram = 4, 5
     with pytest.raises(ValueError, match=r"generation_config.lookup_trust_ngram` \(5\) cannot exceed `lookup_ngram` \(3\)"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.lookup_trust_ngram, drafter.generation_config.lookup_max_tokens = 2, 3
+    with pytest.raises(ValueError, match=r"`drafter.generation_config.lookup_max_tokens` \(3\) cannot be smaller than "
+                                         r"`lookup_num_tokens` \(4\)"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.lookup_trust_ngram, drafter.generation_config.lookup_max_tokens = None, 8
+    with pytest.raises(ValueError, match=r"generation_config.lookup_max_tokens` \(8\) needs `lookup_trust_ngram`"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
+    drafter.generation_config.lookup_max_tokens = "8"
+    with pytest.raises(ValueError, match=r"`drafter.generation_config.lookup_max_tokens` must be a positive integer "
+                                         r"or None \(off\), got '8'"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
