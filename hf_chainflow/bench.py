@@ -45,11 +45,13 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
 from .bench_report import markdown_table, write_results
+from .lookup import lookup_settings
 from .stats import SpeculativeStats
 
 DEFAULT_TIE_TOLERANCE = 0.5
@@ -587,6 +589,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.lookup_tokens is not None:
         lookup = {"lookup_num_tokens": args.lookup_tokens, "lookup_trust_ngram": args.lookup_trust_ngram,
                   "lookup_max_tokens": args.lookup_max_tokens}
+        lookup_settings(SimpleNamespace(**lookup))  # the generation-config rules, checked before any model loads
     else:
         for name in ("lookup_trust_ngram", "lookup_max_tokens"):
             if getattr(args, name) is not None:

@@ -38,7 +38,8 @@ def _silent_streamer(tokenizer):
 
 
 def describe_settings(g) -> str:
-    """One line naming the drafting settings of a generation config, e.g. `tree 8x4 (12 nodes) + lookup 10`."""
+    """One line naming the drafting settings of a generation config, e.g. `tree 8x4 cut to 12 nodes + prompt-lookup
+    branch of 10`."""
     if g.draft_mode == "chain":
         text = f"chain of {g.num_assistant_tokens}"
     else:

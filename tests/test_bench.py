@@ -76,6 +76,19 @@ def test_argument_parsers():
         _parse_extra_drafters(["flashmap"])
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--lookup-trust-ngram", "2"], r"`--lookup-trust-ngram` needs `--lookup-tokens`"),
+    (["--lookup-tokens", "10", "--lookup-max-tokens", "32"], r"lookup_max_tokens` \(32\) needs `lookup_trust_ngram`"),
+    (["--lookup-tokens", "10", "--lookup-trust-ngram", "2", "--lookup-max-tokens", "4"],
+     r"lookup_max_tokens` \(4\) cannot be smaller than `lookup_num_tokens` \(10\)"),
+])
+def test_bench_refuses_bad_lookup_flags_before_loading_anything(flags, message):
+    from hf_chainflow.cli import main
+
+    with pytest.raises(ValueError, match=message):  # a missing target path would fail later, so nothing loaded
+        main(["bench", "--target", "/nonexistent/target", *flags])
+
+
 # ------------------------------------------------------------------------------------- bench on tiny targets
 
 def _wrong_arm(dtype: str, position: int = 3) -> Arm:

@@ -103,3 +103,28 @@ def test_lookup_refusals():
     with pytest.raises(ValueError, match=r"`drafter.generation_config.lookup_max_tokens` must be a positive integer "
                                          r"or None \(off\), got '8'"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
+
+
+@pytest.mark.parametrize("longest", [None, 16])
+def test_trusted_branches_grow_in_the_loop_while_accepted_whole(monkeypatch, longest):
+    """With a lookup that always proposes the target's own continuation, every trusted branch is accepted whole:
+    the branch doubles 4 -> 8 -> 16 with `lookup_max_tokens=16`, and stays at 4 without it; output unchanged."""
+    import hf_chainflow.decoding as decoding
+
+    target = tiny_target("llama")
+    prompt = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+
+    def oracle_lookup(committed, num_tokens, max_ngram=3, min_ngram=1):
+        tokens = ref[0, committed.shape[0]: committed.shape[0] + num_tokens]
+        return (tokens, max_ngram) if tokens.numel() else (None, 0)
+
+    monkeypatch.setattr(decoding, "prompt_lookup", oracle_lookup)
+    drafter = OracleDrafter(target)
+    g = drafter.generation_config
+    g.draft_mode, g.lookup_num_tokens, g.lookup_trust_ngram, g.lookup_max_tokens = "tree", 4, 2, longest
+    out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, ref)
+    stats = drafter.last_stats
+    assert stats.lookup_only_rounds == stats.rounds  # every round took the looked-up branch alone
+    assert stats.longest_lookup == (16 if longest else 4)
