@@ -104,3 +104,22 @@ def test_custom_generate_direct(family_setup):
     out = target.generate(prompts[5], max_new_tokens=MAX_NEW, do_sample=False,
                           custom_generate=hf_chainflow.speculative_generate, drafter=drafter)
     assert torch.equal(out, refs[5])
+
+
+def test_own_loop_prefill_projects_only_the_last_position(family_setup):
+    """The prompt forward asks for the last position's logits only (as `generate` does): the full `(L, V)`
+    projection is what makes long prompts slow on CPU. Fails if the prefill drops `logits_to_keep=1`."""
+    family, target, prompts, refs = family_setup
+    prompt = max(prompts, key=lambda p: p.shape[1])
+    assert prompt.shape[1] > 1
+    drafter = OracleDrafter(target, error_rate=0.3, seed=3)
+    set_shape(drafter, "tree", (4, 3))
+    widths = []
+    handle = target.get_output_embeddings().register_forward_hook(lambda m, args, out: widths.append(args[0].shape[1]))
+    try:
+        out = target.generate(prompt, max_new_tokens=8, do_sample=False, custom_generate=hf_chainflow.speculative_generate,
+                              drafter=drafter)
+    finally:
+        handle.remove()
+    assert widths[0] == 1, widths
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=8, do_sample=False))
