@@ -15,6 +15,8 @@ Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Reported per arm and 
 - `speedup`: tokens/s over the same-dtype `ar` arm of the same run (= the ratio of pooled times whenever the two
   arms emit the same number of tokens, which greedy decoding does unless outputs differ);
   `speedup_vs_fastest_ar`: the same against the fastest `ar` arm over all dtypes;
+- `same_length` (top level): the speedups again on the prompts where every arm of a dtype emitted as many tokens as
+  `ar` (`bench_report.same_length_summary`), so that bf16 texts of different lengths do not move a domain's figure;
 - `tau`: tokens per target forward after the prefill, bonus included (`ar`: 1; `pld`: counted with a forward hook;
   drafter arms: `drafter.last_stats`); acceptance per draft depth, drafting / verification seconds per round;
 - `mismatches`: prompts whose output differs from the same-dtype `ar` output, each classified at its first
@@ -50,7 +52,7 @@ from typing import Callable
 
 import torch
 
-from .bench_report import markdown_table, write_results
+from .bench_report import markdown_table, same_length_summary, write_results
 from .lookup import lookup_settings
 from .stats import SpeculativeStats
 
@@ -493,8 +495,10 @@ def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, li
                         "per_domain": {dom: numbers(arm, idx, dom) for dom, idx in by_domain.items()}}
     if hasattr(os, "getloadavg"):
         machine = {**machine, "load_average_end": list(os.getloadavg())}
-    return {"arms": out, "domains": domains, "prompts": per_prompt, "settings": settings, "machine": machine,
-            "wall_time": wall_time}
+    results = {"arms": out, "domains": domains, "prompts": per_prompt, "settings": settings, "machine": machine,
+               "wall_time": wall_time}
+    results["same_length"] = same_length_summary(results)
+    return results
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

@@ -1,5 +1,10 @@
 """Reports of `hf-chainflow bench` (see `hf_chainflow.bench`): `results.json`, `results.md` and two PNG plots
-(speedup per domain per arm as grouped bars; acceptance per draft depth per speculative arm as lines)."""
+(speedup per domain per arm as grouped bars; acceptance per draft depth per speculative arm as lines).
+
+A saved run's report can be written again (e.g. after a report section was added) without rerunning it:
+
+    python -m hf_chainflow.bench_report docs/results/bench
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,36 @@ from pathlib import Path
 
 def _fmt(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
+
+
+def same_length_summary(results: dict) -> dict[str, dict]:
+    """Speedups over same-dtype `ar` on the prompts where every arm of that dtype emitted as many tokens as `ar`.
+
+    In bfloat16 a near-tie flip can change an arm's text and its length; tokens/s includes the prompt's prefill, so
+    an arm whose text ends early (or runs into a long repetition) moves its domain's figure for reasons that are
+    not its speed. On the same-length prompts every arm did the same amount of work, so the ratio of summed
+    seconds compares speed alone. The set is fixed by a rule, not chosen per arm: all arms of a dtype share it.
+
+    Returns `{dtype: {"prompts": n, "per_domain_prompts": {domain: n}, "speedup": {arm_key: {"all": x,
+    domain: x}}}}`; a speedup is `None` where the set is empty.
+    """
+    out = {}
+    for dtype in sorted({a["dtype"] for a in results["arms"].values()}):
+        keys = [k for k, a in results["arms"].items() if a["dtype"] == dtype]
+        ar_key = f"ar@{dtype}"
+        if ar_key not in keys:
+            continue
+        same = [p for p in results["prompts"] if len({p["arms"][k]["new_tokens"] for k in keys}) == 1]
+        groups = {"all": same, **{d: [p for p in same if p["domain"] == d] for d in results["domains"]}}
+
+        def ratio(key, group):
+            arm_seconds = sum(p["arms"][key]["seconds"] for p in group)
+            return sum(p["arms"][ar_key]["seconds"] for p in group) / arm_seconds if group and arm_seconds else None
+
+        out[dtype] = {"prompts": len(same),
+                      "per_domain_prompts": {d: len(groups[d]) for d in results["domains"]},
+                      "speedup": {k: {g: ratio(k, group) for g, group in groups.items()} for k in keys}}
+    return out
 
 
 def markdown_table(results: dict) -> str:
@@ -32,6 +67,19 @@ def markdown_table(results: dict) -> str:
     for key, a in arms.items():
         cells = [f"{_fmt(a['per_domain'][d]['speedup'])}x ({_fmt(a['per_domain'][d]['tau'])})" for d in domains]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    same = results.get("same_length") or {}
+    if same:
+        lines += ["", "## Same-length prompts: speedup over same-dtype ar (prompts)", "",
+                  "Only the prompts where every arm of the dtype emitted as many new tokens as `ar` (bf16 near-tie "
+                  "flips change texts and lengths; tokens/s includes the prefill).", "",
+                  "| arm | all | " + " | ".join(domains) + " |", "|---|---|" + "---|" * len(domains)]
+        for dtype, summary in same.items():
+            counts = summary["per_domain_prompts"]
+            for key, sp in summary["speedup"].items():
+                times = lambda x: "–" if x is None else f"{x:.2f}x"  # noqa: E731
+                cells = [f"{times(sp['all'])} ({summary['prompts']})"]
+                cells += [f"{times(sp[d])} ({counts[d]})" for d in domains]
+                lines.append(f"| {key} | " + " | ".join(cells) + " |")
     spec = {k: a for k, a in arms.items() if a["acceptance_per_depth"]}
     if spec:
         depth = max(len(a["acceptance_per_depth"]) for a in spec.values())
@@ -104,4 +152,26 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     return paths
 
 
-__all__ = ["markdown_table", "write_results"]
+def main(argv: list[str] | None = None) -> int:
+    """Write a saved run's report again from its `results.json` (the same-length section recomputed)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the report of a saved `hf-chainflow bench` run again.")
+    parser.add_argument("output_dir", help="a directory holding the run's results.json")
+    args = parser.parse_args(argv)
+    path = Path(args.output_dir) / "results.json"
+    if not path.is_file():
+        raise ValueError(f"`output_dir` ({args.output_dir!r}) holds no results.json; give the directory that "
+                         "`hf-chainflow bench --output-dir` wrote.")
+    results = json.loads(path.read_text())
+    results["same_length"] = same_length_summary(results)
+    for name, written in write_results(results, args.output_dir).items():
+        print(f"wrote {written}")
+    return 0
+
+
+__all__ = ["markdown_table", "same_length_summary", "write_results"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

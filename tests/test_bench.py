@@ -129,7 +129,8 @@ def test_run_bench_tiny_target(tmp_path):
     paths = write_results(results, tmp_path)
 
     loaded = json.loads(paths["json"].read_text())
-    assert set(loaded) >= {"arms", "settings", "machine"}
+    assert set(loaded) >= {"arms", "settings", "machine", "same_length"}
+    assert set(loaded["same_length"]) == {"float32", "bfloat16"}
     keys = {"ar@float32", "pld@float32", "chain@float32", "tree@float32", "ar@bfloat16", "pld@bfloat16",
             "chain@bfloat16", "tree@bfloat16", "wrong@float32", "wrong@bfloat16"}
     assert set(loaded["arms"]) == keys
@@ -250,3 +251,46 @@ def test_describe_settings_names_every_drafting_knob():
     assert describe_settings(g).endswith("branch of 10 (alone on 2-gram matches)")
     g.draft_mode, g.num_assistant_tokens, g.lookup_num_tokens = "chain", 3, None
     assert describe_settings(g) == "chain of 3"
+
+
+def _record(pid, domain, **arms):
+    return {"id": pid, "domain": domain, "arms": {k.replace("_", "@"): {"new_tokens": n, "seconds": s}
+                                                  for k, (n, s) in arms.items()}}
+
+
+def test_same_length_summary_keeps_only_prompts_where_every_arm_matches_ar_length():
+    from hf_chainflow.bench_report import same_length_summary
+
+    arms = {k: {"dtype": k.split("@")[1]} for k in ("ar@bfloat16", "pld@bfloat16", "tree@bfloat16", "ar@float32")}
+    prompts = [
+        _record("p0", "code", ar_bfloat16=(10, 2.0), pld_bfloat16=(10, 1.0), tree_bfloat16=(10, 0.5), ar_float32=(10, 3)),
+        _record("p1", "code", ar_bfloat16=(10, 2.0), pld_bfloat16=(4, 0.1), tree_bfloat16=(10, 0.5), ar_float32=(10, 3)),
+        _record("p2", "math", ar_bfloat16=(8, 4.0), pld_bfloat16=(8, 1.0), tree_bfloat16=(8, 4.0), ar_float32=(8, 3)),
+        _record("p3", "rag", ar_bfloat16=(8, 4.0), pld_bfloat16=(8, 1.0), tree_bfloat16=(9, 4.0), ar_float32=(8, 3)),
+    ]
+    out = same_length_summary({"arms": arms, "prompts": prompts, "domains": ["code", "math", "rag"]})
+    bf16 = out["bfloat16"]
+    assert bf16["prompts"] == 2 and bf16["per_domain_prompts"] == {"code": 1, "math": 1, "rag": 0}
+    assert bf16["speedup"]["pld@bfloat16"] == {"all": 6.0 / 2.0, "code": 2.0, "math": 4.0, "rag": None}
+    assert bf16["speedup"]["tree@bfloat16"]["all"] == 6.0 / 4.5
+    assert bf16["speedup"]["ar@bfloat16"]["code"] == 1.0
+    assert out["float32"]["prompts"] == 4  # a dtype's set depends only on that dtype's arms
+
+
+def test_bench_report_main_rewrites_a_saved_run(tmp_path):
+    from hf_chainflow.bench_report import main
+
+    with pytest.raises(ValueError, match="holds no results.json"):
+        main([str(tmp_path)])
+    arms = {"ar@bfloat16": {"name": "ar", "kind": "ar", "dtype": "bfloat16", "drafter": None, "tokens_per_second": 5.0,
+                            "speedup": 1.0, "speedup_vs_fastest_ar": 1.0, "tau": 1.0, "draft_time_per_round": None,
+                            "verify_time_per_round": None, "mismatches": 0, "near_ties": 0, "unexplained_mismatches": 0,
+                            "acceptance_per_depth": None, "mismatch_details": [],
+                            "per_domain": {"code": {"speedup": 1.0, "tau": 1.0}}}}
+    saved = {"arms": arms, "domains": ["code"], "prompts": [_record("p0", "code", ar_bfloat16=(10, 2.0))],
+             "settings": {"num_prompts": 1, "max_new_tokens": 10}, "machine": {}, "wall_time": 2.0}
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    assert main([str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["same_length"]["bfloat16"]["prompts"] == 1
+    assert "## Same-length prompts" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup_per_domain.png").is_file()
