@@ -437,10 +437,9 @@ def commit(
         if contiguous:
             layer.keys = layer.keys[..., :keep_len, :]
             layer.values = layer.values[..., :keep_len, :]
-        else:
-            keep = torch.cat([
-                torch.arange(past_len, device=layer.keys.device),
-                past_len + torch.tensor(rows, device=layer.keys.device),
-            ])  # (past_len + m + 1,)
-            layer.keys = layer.keys.index_select(-2, keep)  # (B, H_kv, T, D)
-            layer.values = layer.values.index_select(-2, keep)
+        else:  # move the accepted path's entries down over the rejected ones; the prefix is not copied
+            src = past_len + torch.tensor(rows, device=layer.keys.device)  # (m + 1,) ascending, src[j] >= past_len + j
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # (B, H_kv, T, D)
+                kv[..., past_len:keep_len, :] = kv.index_select(-2, src)  # gathered first, then written
+                setattr(layer, name, kv[..., :keep_len, :])
