@@ -195,8 +195,8 @@ def configure_drafter(drafter, arm: Arm) -> None:
     """Set the drafter's `generation_config` for a chain or tree arm."""
     g = drafter.generation_config
     g.draft_mode = arm.kind
-    g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = None  # arms share a drafter: lookup only
-    # where an arm asks
+    # Arms share a drafter: the lookup branch only where an arm asks for it.
+    g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = None
     for k, v in arm.settings.items():
         setattr(g, k, v)
 

@@ -405,9 +405,10 @@ def commit(
 ) -> None:
     """Make `cache` hold exactly the committed prefix + root + `accepted` nodes (in path order).
 
-    Attention layers keep KV entries `[0, past_len)` and `past_len + [0] + [i + 1 for i in accepted]` (a slice when
-    contiguous; otherwise the path's entries are moved down in place, then sliced, so the prefix is not copied). Hybrid GDN layers get the conv window and recurrent state after the
-    last accepted node (or the root) copied in place. `handle` is `VerifyOutput.handle` of this round's verify.
+    Attention layers keep KV entries `[0, past_len)` and `past_len + [0] + [i + 1 for i in accepted]`: a slice when
+    contiguous; otherwise the path's entries are moved down in place, then sliced, so the prefix is not copied.
+    Hybrid GDN layers get the conv window and recurrent state after the last accepted node (or the root) copied in
+    place. `handle` is `VerifyOutput.handle` of this round's verify.
     """
     if not isinstance(handle, CommitHandle):
         raise ValueError(f"`handle` must be the `VerifyOutput.handle` of this round, got {type(handle).__name__}.")

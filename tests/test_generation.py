@@ -117,8 +117,8 @@ def test_own_loop_prefill_projects_only_the_last_position(family_setup):
     widths = []
     handle = target.get_output_embeddings().register_forward_hook(lambda m, args, out: widths.append(args[0].shape[1]))
     try:
-        out = target.generate(prompt, max_new_tokens=8, do_sample=False, custom_generate=hf_chainflow.speculative_generate,
-                              drafter=drafter)
+        out = target.generate(prompt, max_new_tokens=8, do_sample=False,
+                              custom_generate=hf_chainflow.speculative_generate, drafter=drafter)
     finally:
         handle.remove()
     assert widths[0] == 1, widths
