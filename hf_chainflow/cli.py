@@ -54,6 +54,8 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--keep-order", action="store_true", help="keep the input order instead of shuffling")
     p.add_argument("--max-shards", type=int, help="stop after this many new shards")
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
+    p.add_argument("--device", help="device of the target's passes, e.g. `cuda` (default: `cuda` when available, "
+                                    "else `cpu`); the hidden states are computed in float32 either way")
     p.set_defaults(func=run_prepare)
 
 
@@ -64,7 +66,14 @@ def run_prepare(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not args.prompts and not args.responses:
         raise SystemExit("prepare: give --prompts, --responses, or both.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise SystemExit(f"prepare: --device must name a torch device such as `cpu` or `cuda`, got "
+                         f"{args.device!r} ({err}).") from None
     model, tokenizer = load_model_and_tokenizer(args.target, torch.float32)
+    model.to(device)
     manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=args.responses,
                        prompt_column=args.prompt_column, limit=args.limit, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, generation_dtype=DTYPES[args.dtype],

@@ -210,7 +210,9 @@ def run_train(args: argparse.Namespace) -> int:
                  report_to="none", bf16=dtype == torch.bfloat16 and torch.cuda.is_available(),
                  dataloader_pin_memory=torch.cuda.is_available())
     targs.update(o["training_args"])
-    trainer = ChainFlowTrainer(model=model, args=ChainFlowTrainingArguments(**targs), train_dataset=train_set)
+    training_args = ChainFlowTrainingArguments(**targs)
+    target.to(training_args.device)  # the drafter borrows its lm_head: it trains where the Trainer puts the drafter
+    trainer = ChainFlowTrainer(model=model, args=training_args, train_dataset=train_set)
     resume = o["resume"]
     if resume == "last":
         from transformers.trainer_utils import get_last_checkpoint

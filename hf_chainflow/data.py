@@ -179,7 +179,8 @@ def generate_responses(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
         for r, i in enumerate(batch):
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, width - len(prompts[i]):] = 1
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)  # (B, P + new)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=gen_config)  # (B, P + new)
         for r, i in enumerate(batch):
             results[i] = cut_response(out[r, width:].tolist(), eos_token_ids)
         if progress is not None:
@@ -193,7 +194,8 @@ def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int
     """The target's last hidden state (after the final norm) at every position of each sequence, each `(L, D)`.
 
     Sequences of similar length share a right-padded batch (right padding leaves a causal model's real positions
-    unchanged); the model runs in whatever dtype it has, without computing full-vocabulary logits.
+    unchanged); the model runs in whatever dtype and on whatever device it has, without computing full-vocabulary
+    logits. The states come back on the CPU.
     """
     results: list[Any] = [None] * len(sequences)
     for batch in _batches_by_length([len(s) for s in sequences], max_batch, max_batch_tokens):
@@ -203,8 +205,9 @@ def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int
         for r, i in enumerate(batch):
             ids[r, : len(sequences[i])] = torch.tensor(sequences[i])
             mask[r, : len(sequences[i])] = 1
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
-        hidden = out.hidden_states[-1]  # (B, L, D)
+        out = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), output_hidden_states=True,
+                    logits_to_keep=1, use_cache=False)
+        hidden = out.hidden_states[-1].cpu()  # (B, L, D)
         for r, i in enumerate(batch):
             results[i] = hidden[r, : len(sequences[i])].clone()
     return results

@@ -34,3 +34,21 @@ def test_bad_options_are_named(tmp_path):
         resolve_train_options(parse("--data", "/d", "--out", "/o", "--lora", "tr"))
     with pytest.raises(SystemExit):
         parse("--data", "/d", "--drafter-arg", "num_blocks")  # not KEY=VALUE
+
+
+@pytest.mark.parametrize("name", ["train_smollm2.yaml", "train_smollm2_flashmap.yaml", "train_smollm2_stage2.yaml",
+                                  "train_smollm2_stage3.yaml"])
+def test_shipped_recipes_resolve(name):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "examples" / name
+    o = resolve_train_options(parse("--config", str(config), "--data", "/d", "--out", "/o"))
+    assert o["max_steps"] > 0 and o["batch_size"] > 0 and o["shards"]
+
+
+def test_prepare_rejects_an_unknown_device_before_loading_the_target():
+    from hf_chainflow.cli import run_prepare
+
+    args = build_parser().parse_args(["prepare", "--responses", "r.jsonl", "--out", "/o", "--device", "gpu0"])
+    with pytest.raises(SystemExit, match=r"--device must name a torch device .*'gpu0'"):
+        run_prepare(args)
