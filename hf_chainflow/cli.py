@@ -72,6 +72,9 @@ def run_prepare(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         raise SystemExit(f"prepare: --device must name a torch device such as `cpu` or `cuda`, got "
                          f"{args.device!r} ({err}).") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"prepare: --device {args.device!r} needs a CUDA GPU, and torch sees none; use `--device cpu` "
+                         f"or leave --device out.")
     model, tokenizer = load_model_and_tokenizer(args.target, torch.float32)
     model.to(device)
     manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=args.responses,

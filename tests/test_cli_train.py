@@ -52,3 +52,14 @@ def test_prepare_rejects_an_unknown_device_before_loading_the_target():
     args = build_parser().parse_args(["prepare", "--responses", "r.jsonl", "--out", "/o", "--device", "gpu0"])
     with pytest.raises(SystemExit, match=r"--device must name a torch device .*'gpu0'"):
         run_prepare(args)
+
+
+def test_prepare_rejects_cuda_without_a_gpu(monkeypatch):
+    import torch
+
+    from hf_chainflow.cli import run_prepare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = build_parser().parse_args(["prepare", "--responses", "r.jsonl", "--out", "/o", "--device", "cuda"])
+    with pytest.raises(SystemExit, match=r"needs a CUDA GPU.*--device cpu"):
+        run_prepare(args)
