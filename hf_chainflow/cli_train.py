@@ -25,7 +25,7 @@ TRAIN_DEFAULTS = {
     "target": "smollm2-135m-instruct", "data": None, "out": None, "init_from": None, "lora": None, "lora_rank": 8,
     "epochs": 15.0, "max_steps": -1, "batch_size": 64, "lr": 5e-4, "grad_accum": 1, "seed": 0,
     "logging_steps": 50, "save_steps": 500, "save_total_limit": 2, "vae_pretrain_steps": 0, "vae_lr_ratio": 1 / 20,
-    "train_flow_steps": None, "max_windows": None, "shards": None, "replay": None, "replay_fraction": 0.2, "num_workers": 0,
+    "train_flow_steps": None, "max_windows": None, "shards": None, "replay": None, "replay_shards": None, "replay_fraction": 0.2, "num_workers": 0,
     "resume": None, "threads": None, "dtype": "float32", "drafter": {}, "training_args": {},
 }
 
@@ -78,6 +78,8 @@ def add_train_parser(sub) -> None:
     a("--max-windows", type=int, help="train on a seeded random subset of this many windows")
     a("--shards", type=parse_shards, help="use only these finished shards, e.g. `0-6` or `0,2,5` (default: all)")
     a("--replay", help="prepared data directory of earlier languages to mix in (replay)")
+    a("--replay-shards", type=parse_shards,
+      help="use only these finished shards of --replay, e.g. `0-20` to keep its held-out shards out (default: all)")
     a("--replay-fraction", type=float, help="share of replay rows in the mix (default 0.2)")
     a("--num-workers", type=int, help="data-loader workers")
     a("--resume", help="resume from a checkpoint directory, or 'last' for the newest under --out")
@@ -113,11 +115,14 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
             opts[key] = value
     opts["drafter"] = {**opts["drafter"], **dict(args.drafter_arg or [])}
     opts["training_args"] = {**opts["training_args"], **dict(args.training_arg or [])}
-    if opts["shards"] is not None and not isinstance(opts["shards"], list):
-        opts["shards"] = parse_shards(opts["shards"])  # from the YAML file
+    for key in ("shards", "replay_shards"):
+        if opts[key] is not None and not isinstance(opts[key], list):
+            opts[key] = parse_shards(opts[key])  # from the YAML file
     for key in ("data", "out"):
         if not opts[key]:
             raise SystemExit(f"train: --{key} is required (on the command line or in --config).")
+    if opts["replay_shards"] is not None and not opts["replay"]:
+        raise SystemExit("train: --replay-shards selects shards of the --replay data; give --replay too.")
     if opts["lora"] and not opts["init_from"]:
         raise SystemExit("train: --lora adapts an existing drafter; give it with --init-from.")
     return opts
@@ -199,8 +204,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     train_set = _window_dataset(o["data"], config, max_windows=o["max_windows"], seed=o["seed"], shards=o["shards"])
     if o["replay"]:
-        train_set = ReplayMixDataset(train_set, _window_dataset(o["replay"], config), o["replay_fraction"],
-                                     seed=o["seed"])
+        replay = _window_dataset(o["replay"], config, shards=o["replay_shards"])
+        train_set = ReplayMixDataset(train_set, replay, o["replay_fraction"], seed=o["seed"])
     targs = dict(output_dir=o["out"], num_train_epochs=o["epochs"], max_steps=o["max_steps"],
                  per_device_train_batch_size=o["batch_size"], learning_rate=o["lr"],
                  gradient_accumulation_steps=o["grad_accum"], seed=o["seed"], logging_steps=o["logging_steps"],

@@ -63,3 +63,12 @@ def test_prepare_rejects_cuda_without_a_gpu(monkeypatch):
     args = build_parser().parse_args(["prepare", "--responses", "r.jsonl", "--out", "/o", "--device", "cuda"])
     with pytest.raises(SystemExit, match=r"needs a CUDA GPU.*--device cpu"):
         run_prepare(args)
+
+
+def test_replay_shards_parse_from_yaml_and_need_replay(tmp_path):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("data: /d\nout: /o\nreplay: /r\nreplay_shards: 0-2,5\n")
+    assert resolve_train_options(parse("--config", str(cfg)))["replay_shards"] == [0, 1, 2, 5]
+    assert resolve_train_options(parse("--config", str(cfg), "--replay-shards", "3"))["replay_shards"] == [3]
+    with pytest.raises(SystemExit, match="--replay-shards .* give --replay too"):
+        resolve_train_options(parse("--data", "/d", "--out", "/o", "--replay-shards", "0-20"))

@@ -70,3 +70,15 @@ def _run(tmp: Path):
     assert tau["untrained"]["tau"] < 1.1  # a fresh drafter drafts essentially nothing the target would accept
     assert tau["drafter"]["tau"] > tau["untrained"]["tau"] + 0.3
     assert tau["drafter"]["acceptance"][0] > tau["untrained"]["acceptance"][0] + 0.15
+
+    # Warm-start on the held-out data with the training data replayed, its shards chosen (`--replay-shards`).
+    assert main(["train", "--target", str(tmp / "target"), "--init-from", str(tmp / "drafter"),
+                 "--data", str(tmp / "data-heldout"), "--out", str(tmp / "continued"), "--replay",
+                 str(tmp / "data-train"), "--replay-shards", "0", "--replay-fraction", "0.5", "--max-steps", "2",
+                 "--batch-size", "8", "--save-steps", "1000"]) == 0
+    continued = json.loads((tmp / "continued" / "train_summary.json").read_text())
+    assert continued["num_train_windows"] == 2 * tau["drafter"]["num_windows"]  # the held-out windows + as many replayed
+    with pytest.raises(ValueError, match=r"`shards` \[7\] are not finished"):  # the replay data has shard 0 only
+        main(["train", "--target", str(tmp / "target"), "--init-from", str(tmp / "drafter"), "--data",
+              str(tmp / "data-heldout"), "--out", str(tmp / "continued-7"), "--replay", str(tmp / "data-train"),
+              "--replay-shards", "7", "--max-steps", "1"])
