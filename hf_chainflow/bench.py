@@ -9,7 +9,8 @@ noise hits all arms alike. Arms (each in every requested dtype, with its own tar
     tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.lookup`)
     NAME-chain, NAME-tree   any extra drafter (`--drafter NAME=PATH`, e.g. a FlashMap-style drafter)
 
-Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Reported per arm and per domain:
+Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Each finished prompt is journaled (`runs.jsonl`, see
+`bench_journal`), so a long run can stop and continue with `--resume`. Reported per arm and per domain:
 
 - `tokens_per_second`: pooled new tokens / pooled wall time of the `generate` calls;
 - `speedup`: tokens/s over the same-dtype `ar` arm of the same run (= the ratio of pooled times whenever the two
@@ -52,6 +53,7 @@ from typing import Callable
 
 import torch
 
+from .bench_journal import JOURNAL_NAME, BenchJournal, run_from_dict, weights_digest
 from .bench_report import markdown_table, same_length_summary, write_results
 from .lookup import lookup_settings
 from .stats import SpeculativeStats
@@ -363,7 +365,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
               drafters: dict[str, dict[str, object]] | None = None, *, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, warmup: BenchPrompt | None = None, eos_token_id=None,
               pad_token_id=None, decode: Callable[[list[int]], str] | None = None, progress: bool = True,
-              settings: dict | None = None) -> dict:
+              settings: dict | None = None, journal: str | os.PathLike | None = None, resume: bool = False) -> dict:
     """Run every arm on every prompt (interleaved) and summarise.
 
     Args:
@@ -372,6 +374,8 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         arms: from `build_arms` (plus any custom arms); every dtype needs an `ar` arm (the baseline).
         drafters: drafter name -> dtype name -> a drafter bound to `models[dtype]`.
         decode: token ids -> text, for the printed differences.
+        journal: a file (`bench_journal.JOURNAL_NAME`) to which each finished prompt is appended; with `resume`,
+            the prompts already in it are read back instead of run again (their settings must match).
     Returns the results dict written by `write_results`.
     """
     from tqdm.auto import tqdm
@@ -394,6 +398,19 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     if len(set(keys)) != len(keys):
         raise ValueError(f"Arm keys must be unique, got {keys}.")
 
+    if resume and journal is None:
+        raise ValueError("`resume=True` needs a `journal` file to resume from.")
+    warmup_tokens = min(max_new_tokens, WARMUP_MAX_NEW_TOKENS)
+    run_settings = {
+        "max_new_tokens": max_new_tokens, "tie_tolerance": tie_tolerance, "num_prompts": len(prompts),
+        "warmup": warmup.id if warmup is not None else None,
+        "warmup_max_new_tokens": warmup_tokens if warmup is not None else None, "greedy": True, "batch_size": 1,
+        "arms": {a.key: {"kind": a.kind, "dtype": a.dtype, "drafter": a.drafter, **a.settings} for a in arms},
+        **(settings or {})}
+    log = BenchJournal(journal, {"settings": run_settings, "prompt_ids": [p.id for p in prompts]},
+                       resume=resume) if journal is not None else None
+    done = log.done if log is not None else {}
+
     info = machine_info()
     started = time.perf_counter()
 
@@ -401,21 +418,39 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         drafter = drafters[arm.drafter][arm.dtype] if arm.speculative else None
         return run_arm(arm, models[arm.dtype], prompt.input_ids, n, drafter, eos_token_id, pad_token_id)
 
-    if warmup is not None:
-        for arm in arms:
-            go(arm, warmup, min(max_new_tokens, WARMUP_MAX_NEW_TOKENS))
+    # 1. this part of the run: journal it and warm up, unless the journal already holds every prompt
+    part = None
+    if any(p.id not in done for p in prompts):
+        part = log.start_part(info) if log is not None else None
+        if warmup is not None:
+            for arm in arms:
+                go(arm, warmup, warmup_tokens)
 
     runs: dict[str, list[Run]] = {k: [] for k in keys}
     details: dict[str, list[dict]] = {k: [] for k in keys}
     per_prompt = []
+    earlier_wall = 0.0
     bar = tqdm(prompts, desc="bench", unit="prompt", disable=not progress)
     for prompt in bar:
+        # 2. a prompt finished by an earlier part: read it back
+        if prompt.id in done:
+            line = done[prompt.id]
+            for key in keys:
+                runs[key].append(run_from_dict(line["runs"][key]))
+                if line["details"].get(key) is not None:
+                    details[key].append(line["details"][key])
+            per_prompt.append(line["record"])
+            earlier_wall += line["wall"]
+            continue
+        # 3. run every arm on it, then classify any difference outside the timed calls
+        prompt_started = time.perf_counter()
         record = {"id": prompt.id, "domain": prompt.domain, "prompt_tokens": int(prompt.input_ids.shape[1]), "arms": {}}
         for arm in arms:
             run = go(arm, prompt, max_new_tokens)
             runs[arm.key].append(run)
             record["arms"][arm.key] = {"new_tokens": run.new_tokens, "seconds": run.seconds,
                                        "tau": _tau(arm, [run])}
+        found: dict[str, dict | None] = {k: None for k in keys}
         for arm in arms:  # outside the timed calls
             if arm.kind == "ar":
                 continue
@@ -426,17 +461,19 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
                 continue
             d = {"id": prompt.id, "domain": prompt.domain, **d}
             details[arm.key].append(d)
-            record["arms"][arm.key]["mismatch"] = d
+            found[arm.key] = record["arms"][arm.key]["mismatch"] = d
             bar.write(_describe(arm.key, d, decode))
         per_prompt.append(record)
+        # 4. journal the finished prompt
+        if log is not None:
+            log.add(part, prompt.id, time.perf_counter() - prompt_started, record,
+                    {k: runs[k][-1] for k in keys}, found)
     bar.close()
 
-    return summarise(arms, runs, details, per_prompt, prompts, settings={
-        "max_new_tokens": max_new_tokens, "tie_tolerance": tie_tolerance, "num_prompts": len(prompts),
-        "warmup": warmup.id if warmup is not None else None, "warmup_max_new_tokens":
-        min(max_new_tokens, WARMUP_MAX_NEW_TOKENS) if warmup is not None else None, "greedy": True, "batch_size": 1,
-        "arms": {a.key: {"kind": a.kind, "dtype": a.dtype, "drafter": a.drafter, **a.settings} for a in arms},
-        **(settings or {})}, machine=info, wall_time=time.perf_counter() - started)
+    if log is not None:
+        run_settings = {**run_settings, "parts": log.parts}
+    return summarise(arms, runs, details, per_prompt, prompts, settings=run_settings, machine=info,
+                     wall_time=earlier_wall + time.perf_counter() - started)
 
 
 def _describe(key: str, d: dict, decode) -> str:
@@ -562,7 +599,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tie-tolerance", type=float, default=DEFAULT_TIE_TOLERANCE,
                    help="logit gap below which a low-precision difference is a near-tie (default: measured, see docs)")
-    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                   help=f"where results go; each finished prompt is also appended to {JOURNAL_NAME} there")
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue the run journaled in --output-dir/{JOURNAL_NAME}: its finished prompts are read "
+                        "back, the rest run (repeat the same command, with --resume added)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_bench_command)
@@ -632,13 +673,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
     prompts = tokenize_prompts(tokenizer, rows)
     warmup = tokenize_prompts(tokenizer, [warm_row])[0]
     gen = models[dtypes[0]].generation_config
-    settings = {"target": args.target, "drafters": paths, "drafter_dtype": args.drafter_dtype, "dtypes": dtypes,
+    settings = {"target": args.target, "drafters": paths, "drafter_weights_sha256": {
+                    name: weights_digest(d[dtypes[0]]) for name, d in drafters.items()},
+                "drafter_dtype": args.drafter_dtype, "dtypes": dtypes,
                 "prompts": str(args.prompts or default_prompts_path()), "limit": args.limit,
                 "pld_tokens": args.pld_tokens, "threads": torch.get_num_threads()}
     results = run_bench(models, prompts, arms, drafters, max_new_tokens=args.max_new_tokens,
                         tie_tolerance=args.tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
                         pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=not args.no_progress,
-                        settings=settings)
+                        settings=settings, journal=Path(args.output_dir) / JOURNAL_NAME, resume=args.resume)
     written = write_results(results, args.output_dir)
     print(markdown_table(results).split("\n## Settings")[0])
     print("wrote " + ", ".join(str(p) for p in written.values()))

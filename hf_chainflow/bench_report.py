@@ -52,7 +52,9 @@ def markdown_table(results: dict) -> str:
     arms, domains = results["arms"], results["domains"]
     lines = ["# hf-chainflow bench", "",
              f"{results['settings']['num_prompts']} prompts, {results['settings']['max_new_tokens']} new tokens max, "
-             f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s.", "",
+             f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s"
+             + (f" in {results['settings']['parts']} parts (resumed, `runs.jsonl`)."
+                if results["settings"].get("parts", 1) > 1 else "."), "",
              "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | verify ms/round "
              "| mismatches | near-ties | unexplained |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -16,6 +16,7 @@ from hf_chainflow.bench import (
     build_arms,
     classify_divergence,
     first_divergence,
+    markdown_table,
     run_bench,
     stratified_selection,
     write_results,
@@ -175,6 +176,67 @@ def test_run_bench_rejects_a_missing_baseline():
         run_bench({"float32": target}, _prompts(target.config.vocab_size), arms, progress=False)
 
 
+def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
+    """A run stopped after two prompts resumes from its journal and summarises like an uninterrupted run; a resume
+    with other settings, or without a journal, is refused and leaves the journal as it was."""
+    from hf_chainflow.bench_journal import BenchJournal
+
+    target = tiny_target("llama", num_layers=2)
+    models = {"float32": target}
+    drafters = {"oracle": {"float32": OracleDrafter(target, error_rate=0.0)}}
+    prompts = _prompts(target.config.vocab_size)
+    stop = {"at": prompts[2].id}
+
+    def maybe_stop(model, input_ids, kwargs):
+        if stop["at"] is not None and torch.equal(input_ids, next(p.input_ids for p in prompts if p.id == stop["at"])):
+            raise KeyboardInterrupt
+        return model.generate(input_ids, **kwargs)
+
+    arms = build_arms(["float32"], {"oracle": drafters["oracle"]["float32"]}, pld_tokens=4, tree=(3, 3),
+                      default_drafter="oracle") + [_wrong_arm("float32"), Arm("stop", "custom", "float32", fn=maybe_stop)]
+    kw = dict(max_new_tokens=8, warmup=prompts[0], pad_token_id=0, progress=False)
+    journal = tmp_path / "runs.jsonl"
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(models, prompts, arms, drafters, journal=journal, **kw)
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert [x["type"] for x in lines] == ["header", "part", "prompt", "prompt"]  # the stopped prompt left no line
+    assert [x["id"] for x in lines[2:]] == [prompts[0].id, prompts[1].id]
+
+    stop["at"] = None
+    resumed = run_bench(models, prompts, arms, drafters, journal=journal, resume=True, **kw)
+    reference = run_bench(models, prompts, arms, drafters, **kw)
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert [x["type"] for x in lines] == ["header", "part", "prompt", "prompt", "part", "prompt", "prompt"]
+    assert resumed["settings"]["parts"] == 2
+    assert [r["id"] for r in resumed["prompts"]] == [p.id for p in prompts]
+    for key, a in reference["arms"].items():
+        b = resumed["arms"][key]
+        for field in ("tau", "mismatches", "unexplained_mismatches", "acceptance_per_depth"):
+            assert b.get(field) == a.get(field), (key, field)
+        assert [r["arms"][key]["new_tokens"] for r in resumed["prompts"]] == \
+            [r["arms"][key]["new_tokens"] for r in reference["prompts"]]
+    assert resumed["arms"]["wrong@float32"]["unexplained_mismatches"] == len(prompts)  # read back from the journal
+    assert resumed["arms"]["tree@float32"]["tau"] > 1.0
+
+    # Every prompt journaled: a further resume runs nothing and summarises the same.
+    again = run_bench(models, prompts, arms, drafters, journal=journal, resume=True, **kw)
+    assert again["arms"]["tree@float32"]["tau"] == resumed["arms"]["tree@float32"]["tau"]
+    assert again["settings"]["parts"] == 2
+    assert "in 2 parts" in markdown_table(again)
+
+    before = journal.read_bytes()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        run_bench(models, prompts, arms, drafters, journal=journal, resume=True, **{**kw, "max_new_tokens": 9})
+    with pytest.raises(ValueError, match="prompt_ids"):
+        run_bench(models, prompts[:3], arms, drafters, journal=journal, resume=True, **kw)
+    assert journal.read_bytes() == before
+    with pytest.raises(ValueError, match="found no journal"):
+        BenchJournal(tmp_path / "missing.jsonl", {"settings": {}}, resume=True)
+    with pytest.raises(ValueError, match="needs a `journal`"):
+        run_bench(models, prompts, arms, drafters, resume=True, **kw)
+
+
 # ------------------------------------------------------------------------------- both commands via the CLI
 
 @pytest.fixture(scope="module")
@@ -204,11 +266,19 @@ def test_bench_command(saved, capsys):
     from hf_chainflow.cli import main
 
     out = saved / "run"
-    assert main(["bench", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"),
-                 "--drafter", f"other={saved / 'drafter'}", "--arms", "ar,pld,tree,tree+lookup,other-chain",
-                 "--limit", "2",
-                 "--max-new-tokens", "6", "--threads", "1", "--output-dir", str(out), "--no-progress"]) == 0
+    argv = ["bench", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"),
+            "--drafter", f"other={saved / 'drafter'}", "--arms", "ar,pld,tree,tree+lookup,other-chain", "--limit", "2",
+            "--max-new-tokens", "6", "--threads", "1", "--output-dir", str(out), "--no-progress"]
+    assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
+    assert len(results["settings"]["drafter_weights_sha256"]["chainflow"]) == 64
+    # The journal of the run: resuming it runs nothing more and writes the same numbers.
+    assert main(argv + ["--resume"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert {k: (a["tau"], a["mismatches"]) for k, a in again["arms"].items()} == \
+        {k: (a["tau"], a["mismatches"]) for k, a in results["arms"].items()}
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        main([("7" if a == "6" else a) for a in argv] + ["--resume"])
     assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "tree+lookup", "other-chain")
                                     for dt in ("float32", "bfloat16")}
     assert results["settings"]["num_prompts"] == 2 and len(results["domains"]) == 2  # stratified

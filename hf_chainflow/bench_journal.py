@@ -1,0 +1,130 @@
+"""The journal of a bench run: one JSON line per finished prompt, so that a long run can stop and resume.
+
+The bench's defaults (every evaluation prompt, two dtypes) take hours on a CPU. `run_bench(journal=...)` appends
+each prompt's results to `runs.jsonl` in the output directory as soon as every arm has run on it; `--resume` reads
+them back, skips those prompts and runs the rest. Arms stay interleaved prompt by prompt, so every ratio still
+compares arms that ran side by side; only the machine state between parts may differ, and each part's machine is
+recorded.
+
+Lines (`"type"` tells them apart):
+
+    {"type": "header", "settings": {...}, "prompt_ids": [...]}     what must not change between parts
+    {"type": "part", "part": k, "machine": {...}, "started": t}     each invocation that ran prompts
+    {"type": "prompt", "part": k, "id": ..., "wall": s, "record": {...}, "runs": {ARM: run}, "details": {ARM: d}}
+
+A prompt interrupted half-way leaves no line and runs again on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .stats import SpeculativeStats
+
+JOURNAL_NAME = "runs.jsonl"
+
+
+def run_to_dict(run) -> dict:
+    """A `bench.Run` as plain JSON types."""
+    return {"tokens": list(run.tokens), "seconds": run.seconds,
+            "stats": asdict(run.stats) if run.stats is not None else None, "forwards": run.forwards}
+
+
+def run_from_dict(d: dict):
+    """The inverse of `run_to_dict`."""
+    from .bench import Run
+
+    stats = SpeculativeStats(**d["stats"]) if d["stats"] is not None else None
+    return Run(list(d["tokens"]), float(d["seconds"]), stats, d["forwards"])
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of a model's state dict (names, dtypes, shapes, bytes), so a resumed run cannot mix weights."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _differences(old, new, prefix: str = "") -> list[str]:
+    """Dotted names of the fields where two JSON values differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _differences(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [] if old == new else [prefix or "(value)"]
+
+
+class BenchJournal:
+    """Appends a bench run's finished prompts to `path` and reads them back on resume.
+
+    Args:
+        path: the journal file (`runs.jsonl` in the bench's output directory).
+        header: what identifies the run (settings and prompt ids); JSON types only.
+        resume: continue the journal at `path`; its header must equal `header`. Without it a new journal replaces
+            any file at `path` (when the first prompt is written, not before).
+    """
+
+    def __init__(self, path: str | os.PathLike, header: dict, resume: bool = False):
+        self.path = Path(path)
+        self.header = json.loads(json.dumps({"type": "header", **header}))  # JSON-normalised, for comparison
+        self.done: dict[str, dict] = {}
+        self.parts = 0
+        self._started = False
+        if not resume:
+            return
+        if not self.path.is_file():
+            raise ValueError(f"`--resume` found no journal at {str(self.path)!r}: run the bench once without "
+                             "`--resume` (with the same `--output-dir`) to start one.")
+        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        if not lines or lines[0].get("type") != "header":
+            raise ValueError(f"{str(self.path)!r} is not a bench journal (its first line is not a header); "
+                             "choose another `--output-dir` or start anew without `--resume`.")
+        changed = _differences(lines[0], self.header)
+        if changed:
+            raise ValueError(f"`--resume`: this run's settings differ from the journal at {str(self.path)!r} in "
+                             f"{changed}. A resumed run must repeat the same command; start anew without "
+                             "`--resume` or choose another `--output-dir`.")
+        for line in lines[1:]:
+            if line["type"] == "part":
+                self.parts = max(self.parts, int(line["part"]) + 1)
+            elif line["type"] == "prompt":
+                self.done[line["id"]] = line
+        self._started = True
+
+    def _write(self, obj: dict, mode: str = "a") -> None:
+        with open(self.path, mode) as f:
+            f.write(json.dumps(obj) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def start_part(self, machine: dict) -> int:
+        """Record that this invocation runs prompts; returns its part number."""
+        if not self._started:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write(self.header, mode="w")
+            self._started = True
+        part = self.parts
+        self._write({"type": "part", "part": part, "machine": machine, "started": time.time()})
+        self.parts += 1
+        return part
+
+    def add(self, part: int, prompt_id: str, wall: float, record: dict, runs: dict, details: dict) -> None:
+        """Append one finished prompt: `runs` maps an arm key to its `Run`, `details` to its mismatch (or None)."""
+        line = {"type": "prompt", "part": part, "id": prompt_id, "wall": wall, "record": record,
+                "runs": {k: run_to_dict(r) for k, r in runs.items()}, "details": details}
+        self._write(line)
+        self.done[prompt_id] = json.loads(json.dumps(line))
+
+
+__all__ = ["BenchJournal", "JOURNAL_NAME", "run_from_dict", "run_to_dict", "weights_digest"]
