@@ -1,5 +1,7 @@
 """`hf-chainflow train` option resolution: built-in defaults < YAML --config < command line."""
 
+from pathlib import Path
+
 import pytest
 
 from hf_chainflow.cli import build_parser
@@ -36,14 +38,21 @@ def test_bad_options_are_named(tmp_path):
         parse("--data", "/d", "--drafter-arg", "num_blocks")  # not KEY=VALUE
 
 
-@pytest.mark.parametrize("name", ["train_smollm2.yaml", "train_smollm2_flashmap.yaml", "train_smollm2_stage2.yaml",
-                                  "train_smollm2_stage3.yaml"])
-def test_shipped_recipes_resolve(name):
-    from pathlib import Path
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-    config = Path(__file__).resolve().parents[1] / "examples" / name
-    o = resolve_train_options(parse("--config", str(config), "--data", "/d", "--out", "/o"))
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("train_*.yaml")))
+def test_shipped_recipes_resolve(name):
+    config = EXAMPLES / name
+    replay = ["--replay", "/r"] if "replay_shards" in config.read_text() else []
+    o = resolve_train_options(parse("--config", str(config), "--data", "/d", "--out", "/o", *replay))
     assert o["max_steps"] > 0 and o["batch_size"] > 0 and o["shards"]
+    if replay:
+        assert o["replay_shards"] and 0 < o["replay_fraction"] < 1
+
+
+def test_there_are_shipped_recipes():
+    assert len(list(EXAMPLES.glob("train_*.yaml"))) >= 5
 
 
 def test_prepare_rejects_an_unknown_device_before_loading_the_target():
