@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from .bench_journal import JOURNAL_NAME, BenchJournal, run_from_dict, weights_digest
+from .bench_journal import JOURNAL_NAME, BenchJournal, journal_header, run_from_dict, weights_digest
 from .bench_report import markdown_table, same_length_summary, write_results
 from .lookup import lookup_settings
 from .stats import SpeculativeStats
@@ -407,8 +407,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         "warmup_max_new_tokens": warmup_tokens if warmup is not None else None, "greedy": True, "batch_size": 1,
         "arms": {a.key: {"kind": a.kind, "dtype": a.dtype, "drafter": a.drafter, **a.settings} for a in arms},
         **(settings or {})}
-    log = BenchJournal(journal, {"settings": run_settings, "prompt_ids": [p.id for p in prompts]},
-                       resume=resume) if journal is not None else None
+    log = BenchJournal(journal, journal_header(run_settings, prompts), resume=resume) if journal is not None else None
     done = log.done if log is not None else {}
 
     info = machine_info()

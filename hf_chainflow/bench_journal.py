@@ -8,7 +8,7 @@ recorded.
 
 Lines (`"type"` tells them apart):
 
-    {"type": "header", "settings": {...}, "prompt_ids": [...]}     what must not change between parts
+    {"type": "header", "settings": {...}, "prompt_ids": [...], "prompt_tokens_sha256": ...}   what must not change
     {"type": "part", "part": k, "machine": {...}, "started": t}     each invocation that ran prompts
     {"type": "prompt", "part": k, "id": ..., "wall": s, "record": {...}, "runs": {ARM: run}, "details": {ARM: d}}
 
@@ -53,6 +53,20 @@ def weights_digest(model) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+# Settings that are paths: they may differ between parts (another checkout, another cache directory), so the journal
+# checks what they point to instead, the drafters by `drafter_weights_sha256` and the prompts by their token ids.
+PATH_SETTINGS = ("drafters", "prompts")
+
+
+def journal_header(settings: dict, prompts) -> dict:
+    """What a resumed run must repeat: the settings (paths aside), the prompt ids and a digest of their token ids."""
+    h = hashlib.sha256()
+    for prompt in prompts:
+        h.update(f"{prompt.id}\0{prompt.input_ids.reshape(-1).tolist()}\n".encode())
+    return {"settings": {k: v for k, v in settings.items() if k not in PATH_SETTINGS},
+            "prompt_ids": [prompt.id for prompt in prompts], "prompt_tokens_sha256": h.hexdigest()}
 
 
 def _differences(old, new, prefix: str = "") -> list[str]:
@@ -127,4 +141,5 @@ class BenchJournal:
         self.done[prompt_id] = json.loads(json.dumps(line))
 
 
-__all__ = ["BenchJournal", "JOURNAL_NAME", "run_from_dict", "run_to_dict", "weights_digest"]
+__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "journal_header", "run_from_dict", "run_to_dict",
+           "weights_digest"]

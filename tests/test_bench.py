@@ -219,8 +219,10 @@ def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     assert resumed["arms"]["wrong@float32"]["unexplained_mismatches"] == len(prompts)  # read back from the journal
     assert resumed["arms"]["tree@float32"]["tau"] > 1.0
 
-    # Every prompt journaled: a further resume runs nothing and summarises the same.
-    again = run_bench(models, prompts, arms, drafters, journal=journal, resume=True, **kw)
+    # Every prompt journaled: a further resume runs nothing and summarises the same, also from another path to the
+    # same prompts file (paths are not part of the identity; the prompts' tokens are).
+    again = run_bench(models, prompts, arms, drafters, journal=journal, resume=True,
+                      settings={"prompts": "/elsewhere/eval_prompts.jsonl"}, **kw)
     assert again["arms"]["tree@float32"]["tau"] == resumed["arms"]["tree@float32"]["tau"]
     assert again["settings"]["parts"] == 2
     assert "in 2 parts" in markdown_table(again)
@@ -230,6 +232,13 @@ def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
         run_bench(models, prompts, arms, drafters, journal=journal, resume=True, **{**kw, "max_new_tokens": 9})
     with pytest.raises(ValueError, match="prompt_ids"):
         run_bench(models, prompts[:3], arms, drafters, journal=journal, resume=True, **kw)
+    edited = [BenchPrompt(p.id, p.domain, p.input_ids.flip(1)) for p in prompts]  # same ids, other tokens
+    with pytest.raises(ValueError, match="prompt_tokens_sha256"):
+        run_bench(models, edited, arms, drafters, journal=journal, resume=True, **kw)
+    with pytest.raises(ValueError, match="tree_width"):  # an arm setting
+        other = build_arms(["float32"], {"oracle": drafters["oracle"]["float32"]}, pld_tokens=4, tree=(2, 3),
+                           default_drafter="oracle") + arms[-2:]
+        run_bench(models, prompts, other, drafters, journal=journal, resume=True, **kw)
     assert journal.read_bytes() == before
     with pytest.raises(ValueError, match="found no journal"):
         BenchJournal(tmp_path / "missing.jsonl", {"settings": {}}, resume=True)
