@@ -225,20 +225,34 @@ def run_train(args: argparse.Namespace) -> int:
         resume = get_last_checkpoint(o["out"])
         if resume is None:
             raise SystemExit(f"train: --resume last, but {o['out']} holds no checkpoint-* directory.")
+    first_step = 0
+    if resume:
+        from transformers import TrainerState
+
+        first_step = TrainerState.load_from_json(str(Path(resume, "trainer_state.json"))).global_step
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
     elapsed = time.perf_counter() - start
     trainer.save_model(o["out"])
-    windows = trainer.state.global_step * o["batch_size"] * o["grad_accum"]
-    summary = {"steps": trainer.state.global_step, "windows_seen": windows, "train_seconds": round(elapsed, 2),
-               "windows_per_second": round(windows / elapsed, 1) if elapsed else None,
+    summary = {**throughput_summary(first_step, trainer.state.global_step, o["batch_size"] * o["grad_accum"],
+                                    elapsed),
                "train_loss": result.training_loss, "num_train_windows": len(train_set),
                "options": {k: v for k, v in o.items()}}
     Path(o["out"], "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"
-    print(f"saved {what} to {o['out']}: {summary['steps']} steps, {windows} windows in {elapsed:.1f} s "
-          f"({summary['windows_per_second']} windows/s), train loss {result.training_loss:.4f}")
+    print(f"saved {what} to {o['out']}: {summary['steps']} steps ({summary['steps_this_run']} in this run), "
+          f"{summary['windows_this_run']} windows in {elapsed:.1f} s ({summary['windows_per_second']} windows/s), "
+          f"train loss {result.training_loss:.4f}")
     return 0
+
+
+def throughput_summary(first_step: int, last_step: int, windows_per_step: int, seconds: float) -> dict:
+    """Steps and windows of a training run and its speed; a resumed run is timed on its own steps only."""
+    steps = last_step - first_step
+    return {"steps": last_step, "resumed_from_step": first_step, "steps_this_run": steps,
+            "windows_seen": last_step * windows_per_step, "windows_this_run": steps * windows_per_step,
+            "train_seconds": round(seconds, 2),
+            "windows_per_second": round(steps * windows_per_step / seconds, 1) if seconds else None}
 
 
 # ----------------------------------------------------------------------------------------------------- eval-offline

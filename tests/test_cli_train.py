@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from hf_chainflow.cli import build_parser
-from hf_chainflow.cli_train import TRAIN_DEFAULTS, resolve_train_options
+from hf_chainflow.cli_train import TRAIN_DEFAULTS, resolve_train_options, throughput_summary
 
 
 def parse(*argv):
@@ -81,3 +81,11 @@ def test_replay_shards_parse_from_yaml_and_need_replay(tmp_path):
     assert resolve_train_options(parse("--config", str(cfg), "--replay-shards", "3"))["replay_shards"] == [3]
     with pytest.raises(SystemExit, match="--replay-shards .* give --replay too"):
         resolve_train_options(parse("--data", "/d", "--out", "/o", "--replay-shards", "0-20"))
+
+
+def test_throughput_of_a_resumed_run_counts_only_its_own_steps():
+    fresh = throughput_summary(0, 6000, 64, 2874.0)
+    assert fresh["windows_seen"] == fresh["windows_this_run"] == 384000 and fresh["windows_per_second"] == 133.6
+    resumed = throughput_summary(3000, 6000, 64, 3033.2)  # the more-data ChainFlow run, resumed at step 3,000
+    assert resumed["windows_seen"] == 384000 and resumed["windows_this_run"] == 192000
+    assert resumed["steps_this_run"] == 3000 and resumed["windows_per_second"] == 63.3
