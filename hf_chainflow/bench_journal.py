@@ -84,9 +84,9 @@ class BenchJournal:
 
     Args:
         path: the journal file (`runs.jsonl` in the bench's output directory).
-        header: what identifies the run (settings and prompt ids); JSON types only.
+        header: what identifies the run (`journal_header`); JSON types only.
         resume: continue the journal at `path`; its header must equal `header`. Without it a new journal replaces
-            any file at `path` (when the first prompt is written, not before).
+            any file at `path` when the run starts its prompts (`start_part`, after every check has passed).
     """
 
     def __init__(self, path: str | os.PathLike, header: dict, resume: bool = False):
