@@ -365,7 +365,8 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
               drafters: dict[str, dict[str, object]] | None = None, *, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, warmup: BenchPrompt | None = None, eos_token_id=None,
               pad_token_id=None, decode: Callable[[list[int]], str] | None = None, progress: bool = True,
-              settings: dict | None = None, journal: str | os.PathLike | None = None, resume: bool = False) -> dict:
+              settings: dict | None = None, journal: str | os.PathLike | None = None, resume: bool = False,
+              partial: bool = False) -> dict:
     """Run every arm on every prompt (interleaved) and summarise.
 
     Args:
@@ -376,6 +377,8 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         decode: token ids -> text, for the printed differences.
         journal: a file (`bench_journal.JOURNAL_NAME`) to which each finished prompt is appended; with `resume`,
             the prompts already in it are read back instead of run again (their settings must match).
+        partial: with `resume`, run nothing: summarise only the prompts the journal already holds. The results get
+            `"partial": {"prompts_done", "prompts_total"}`; pooled figures then cover those prompts' domains only.
     Returns the results dict written by `write_results`.
     """
     from tqdm.auto import tqdm
@@ -400,6 +403,9 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
 
     if resume and journal is None:
         raise ValueError("`resume=True` needs a `journal` file to resume from.")
+    if partial and not resume:
+        raise ValueError("`partial=True` (`--partial-report`) summarises a journaled run so far: it needs "
+                         "`resume=True` (`--resume`) and the run's journal.")
     warmup_tokens = min(max_new_tokens, WARMUP_MAX_NEW_TOKENS)
     run_settings = {
         "max_new_tokens": max_new_tokens, "tie_tolerance": tie_tolerance, "num_prompts": len(prompts),
@@ -409,6 +415,12 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         **(settings or {})}
     log = BenchJournal(journal, journal_header(run_settings, prompts), resume=resume) if journal is not None else None
     done = log.done if log is not None else {}
+    total = len(prompts)
+    if partial:
+        prompts = [p for p in prompts if p.id in done]
+        if not prompts:
+            raise ValueError(f"`--partial-report`: the journal at {str(journal)!r} holds no finished prompt yet; "
+                             "run the bench (with `--resume`) until at least one prompt has finished.")
 
     info = machine_info()
     started = time.perf_counter()
@@ -429,8 +441,9 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     details: dict[str, list[dict]] = {k: [] for k in keys}
     per_prompt = []
     earlier_wall = 0.0
-    bar = tqdm(prompts, desc="bench", unit="prompt", disable=not progress)
-    for prompt in bar:
+    finished = sum(p.id in done for p in prompts)  # the bar's rate and time left count this part's prompts only
+    bar = tqdm(total=len(prompts), initial=finished, desc="bench", unit="prompt", disable=not progress or partial)
+    for prompt in prompts:
         # 2. a prompt finished by an earlier part: read it back
         if prompt.id in done:
             line = done[prompt.id]
@@ -467,12 +480,16 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         if log is not None:
             log.add(part, prompt.id, time.perf_counter() - prompt_started, record,
                     {k: runs[k][-1] for k in keys}, found)
+        bar.update(1)
     bar.close()
 
     if log is not None:
         run_settings = {**run_settings, "parts": log.parts}
-    return summarise(arms, runs, details, per_prompt, prompts, settings=run_settings, machine=info,
-                     wall_time=earlier_wall + time.perf_counter() - started)
+    results = summarise(arms, runs, details, per_prompt, prompts, settings=run_settings, machine=info,
+                        wall_time=earlier_wall + time.perf_counter() - started)
+    if partial:
+        results["partial"] = {"prompts_done": len(prompts), "prompts_total": total}
+    return results
 
 
 def _describe(key: str, d: dict, decode) -> str:
@@ -603,6 +620,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"continue the run journaled in --output-dir/{JOURNAL_NAME}: its finished prompts are read "
                         "back, the rest run (repeat the same command, with --resume added)")
+    p.add_argument("--partial-report", action="store_true",
+                   help="with --resume: run no prompt; summarise the prompts the journal holds so far into "
+                        "--output-dir/partial/ (results.json marked `partial`, the table, the plots)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_bench_command)
@@ -621,6 +641,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"`--threads` must be a positive integer, got {args.threads!r}.")
+    if args.partial_report and not args.resume:
+        raise ValueError("`--partial-report` summarises a journaled run so far: add `--resume` (and repeat the run's "
+                         "other options) so that the journal in `--output-dir` is read.")
     if args.pld_tokens < 1:
         raise ValueError(f"`--pld-tokens` must be a positive integer, got {args.pld_tokens!r}.")
     if args.chain is not None and args.chain < 1:
@@ -680,8 +703,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     results = run_bench(models, prompts, arms, drafters, max_new_tokens=args.max_new_tokens,
                         tie_tolerance=args.tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
                         pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=not args.no_progress,
-                        settings=settings, journal=Path(args.output_dir) / JOURNAL_NAME, resume=args.resume)
-    written = write_results(results, args.output_dir)
+                        settings=settings, journal=Path(args.output_dir) / JOURNAL_NAME, resume=args.resume,
+                        partial=args.partial_report)
+    written = write_results(results, Path(args.output_dir) / "partial" if args.partial_report else args.output_dir)
     print(markdown_table(results).split("\n## Settings")[0])
     print("wrote " + ", ".join(str(p) for p in written.values()))
     return 0

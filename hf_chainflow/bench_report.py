@@ -50,14 +50,19 @@ def same_length_summary(results: dict) -> dict[str, dict]:
 def markdown_table(results: dict) -> str:
     """`results.md`: the arms, speedup per domain, acceptance per depth, settings and machine."""
     arms, domains = results["arms"], results["domains"]
-    lines = ["# hf-chainflow bench", "",
-             f"{results['settings']['num_prompts']} prompts, {results['settings']['max_new_tokens']} new tokens max, "
-             f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s"
-             + (f" in {results['settings']['parts']} parts (resumed, `runs.jsonl`)."
-                if results["settings"].get("parts", 1) > 1 else "."), "",
-             "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | verify ms/round "
-             "| mismatches | near-ties | unexplained |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    part = results.get("partial")
+    lines = ["# hf-chainflow bench" + (" (partial)" if part else ""), ""]
+    if part:
+        lines += [f"**Partial report: {part['prompts_done']} of {part['prompts_total']} prompts finished.** The run "
+                  "goes on with `--resume`; pooled figures cover the finished prompts' domains only.", ""]
+    count = part["prompts_done"] if part else results["settings"]["num_prompts"]
+    lines += [f"{count} prompts, {results['settings']['max_new_tokens']} new tokens max, "
+              f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s"
+              + (f" in {results['settings']['parts']} parts (resumed, `runs.jsonl`)."
+                 if results["settings"].get("parts", 1) > 1 else "."), "",
+              "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | verify ms/round "
+              "| mismatches | near-ties | unexplained |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, a in arms.items():
         ms = lambda x: None if x is None else 1000 * x  # noqa: E731
         lines.append(f"| {a['name']} | {a['dtype']} | {a['tokens_per_second']:.1f} | {_fmt(a['speedup'])}x "

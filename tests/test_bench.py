@@ -203,6 +203,18 @@ def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     assert [x["type"] for x in lines] == ["header", "part", "prompt", "prompt"]  # the stopped prompt left no line
     assert [x["id"] for x in lines[2:]] == [prompts[0].id, prompts[1].id]
 
+    # A partial report of the stopped run summarises the two finished prompts, runs nothing, journals nothing.
+    before = journal.read_bytes()
+    part = run_bench(models, prompts, arms, drafters, journal=journal, resume=True, partial=True, **kw)
+    assert journal.read_bytes() == before
+    assert part["partial"] == {"prompts_done": 2, "prompts_total": len(prompts)}
+    assert [r["id"] for r in part["prompts"]] == [prompts[0].id, prompts[1].id]
+    assert part["arms"]["tree@float32"]["prompts"] == 2
+    assert part["arms"]["wrong@float32"]["unexplained_mismatches"] == 2
+    assert "Partial report: 2 of" in markdown_table(part)
+    with pytest.raises(ValueError, match="needs `resume=True`"):
+        run_bench(models, prompts, arms, drafters, journal=journal, partial=True, **kw)
+
     stop["at"] = None
     resumed = run_bench(models, prompts, arms, drafters, journal=journal, resume=True, **kw)
     reference = run_bench(models, prompts, arms, drafters, **kw)
@@ -244,6 +256,10 @@ def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
         BenchJournal(tmp_path / "missing.jsonl", {"settings": {}}, resume=True)
     with pytest.raises(ValueError, match="needs a `journal`"):
         run_bench(models, prompts, arms, drafters, resume=True, **kw)
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_text(journal.read_text().splitlines()[0] + "\n")  # this run's header, no finished prompt
+    with pytest.raises(ValueError, match="holds no finished prompt"):
+        run_bench(models, prompts, arms, drafters, journal=fresh, resume=True, partial=True, **kw)
 
 
 # ------------------------------------------------------------------------------- both commands via the CLI
@@ -282,6 +298,11 @@ def test_bench_command(saved, capsys):
     results = json.loads((out / "results.json").read_text())
     assert len(results["settings"]["drafter_weights_sha256"]["chainflow"]) == 64
     # The journal of the run: resuming it runs nothing more and writes the same numbers.
+    with pytest.raises(ValueError, match="add `--resume`"):
+        main(argv + ["--partial-report"])
+    assert main(argv + ["--resume", "--partial-report"]) == 0
+    assert json.loads((out / "partial" / "results.json").read_text())["partial"] == {"prompts_done": 2,
+                                                                                      "prompts_total": 2}
     assert main(argv + ["--resume"]) == 0
     again = json.loads((out / "results.json").read_text())
     assert {k: (a["tau"], a["mismatches"]) for k, a in again["arms"].items()} == \
