@@ -124,18 +124,24 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
 
     arms = {k: a for k, a in results["arms"].items() if a["kind"] != "ar"}
     groups = results["domains"] + ["all"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups) * max(1, len(arms)) / 3), 4))
-    width = 0.8 / max(1, len(arms))
+    dtypes = list(dict.fromkeys(a["dtype"] for a in arms.values())) or [None]  # one panel per dtype, run order
+    per_panel = max([sum(a["dtype"] == dt for a in arms.values()) for dt in dtypes] + [1])
+    fig, axes = plt.subplots(len(dtypes), 1, squeeze=False, sharex=True,
+                             figsize=(max(6.0, 0.3 * len(groups) * per_panel + 2.5), 1.0 + 2.6 * len(dtypes)))
+    width = 0.8 / per_panel
     x = np.arange(len(groups))
-    for i, (key, a) in enumerate(arms.items()):
-        vals = [a["per_domain"][d]["speedup"] or 0.0 for d in results["domains"]] + [a["speedup"] or 0.0]
-        ax.bar(x + (i - (len(arms) - 1) / 2) * width, vals, width, label=key)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(x, groups)
-    ax.set_ylabel("speedup over same-dtype ar")
-    ax.set_title("Speedup per domain (pooled time per token)")
-    if arms:
-        ax.legend(fontsize=7, ncol=2)
+    for ax, dt in zip(axes[:, 0], dtypes):
+        panel = {k: a for k, a in arms.items() if a["dtype"] == dt}
+        for i, (key, a) in enumerate(panel.items()):
+            vals = [a["per_domain"][d]["speedup"] or 0.0 for d in results["domains"]] + [a["speedup"] or 0.0]
+            ax.bar(x + (i - (len(panel) - 1) / 2) * width, vals, width, label=a["name"])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel(f"vs {dt} ar" if dt else "speedup")
+        ax.set_title(f"{dt}" if dt else "no speculative arm", fontsize=9)
+        if panel:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: never hides a bar
+    axes[-1, 0].set_xticks(x, groups)
+    fig.suptitle("Speedup per domain over same-dtype ar (pooled time per token)")
     fig.tight_layout()
     fig.savefig(paths["speedup_png"], dpi=120)
     plt.close(fig)
