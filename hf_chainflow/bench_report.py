@@ -132,7 +132,7 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     x = np.arange(len(groups))
     for ax, dt in zip(axes[:, 0], dtypes):
         panel = {k: a for k, a in arms.items() if a["dtype"] == dt}
-        for i, (key, a) in enumerate(panel.items()):
+        for i, a in enumerate(panel.values()):
             vals = [a["per_domain"][d]["speedup"] or 0.0 for d in results["domains"]] + [a["speedup"] or 0.0]
             ax.bar(x + (i - (len(panel) - 1) / 2) * width, vals, width, label=a["name"])
         ax.axhline(1.0, color="black", linewidth=0.8)
