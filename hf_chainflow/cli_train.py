@@ -275,6 +275,8 @@ def add_eval_offline_parser(sub) -> None:
     a("--max-windows", type=int, help="evaluate a seeded random subset of this many windows")
     a("--shards", type=parse_shards, help="evaluate only these finished shards, e.g. a held-out `7-25`")
     a("--reference", action="store_true", help="one drafter.draft call per window instead of the batched path")
+    a("--walk-sequences", type=int, help="also replay the serving walk on this many responses (seeded): the tau a "
+                                         "serving loop would measure on them (draft, accept a, jump a + 1 tokens)")
     a("--dtype", choices=("float32", "bfloat16"), default="float32")
     a("--threads", type=int, help="torch.set_num_threads")
     a("--seed", type=int, default=0)
@@ -308,7 +310,8 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     result = evaluate_offline(model, data, num_tokens=args.num_tokens, batch_size=args.batch_size,
                               max_windows=args.max_windows, tree=_tree_shape(args.tree) if args.tree else None,
                               tree_budget=args.tree_budget, max_tree_windows=args.max_tree_windows, num_flow_steps=args.num_flow_steps,
-                              batched=not args.reference, output_dir=args.out, seed=args.seed)
+                              batched=not args.reference, walk_sequences=args.walk_sequences, output_dir=args.out,
+                              seed=args.seed)
     result["drafter"], result["data"] = str(args.drafter), str(args.data)
     if args.out:
         Path(args.out, "offline_eval.json").write_text(json.dumps(result, indent=1))
@@ -319,6 +322,10 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     if "tree" in result:
         budget = f" (budget {args.tree_budget} nodes)" if args.tree_budget else ""
         print(f"tree {args.tree}{budget}: tau {result['tree']['tau']:.3f} over {result['tree']['num_windows']} windows")
+    for mode, walk in ((m, result["walk"][m]) for m in ("chain", "tree") if m in result.get("walk", {})):
+        domains = ", ".join(f"{name} {stats['tau']:.3f}" for name, stats in walk["per_domain"].items())
+        print(f"serving walk, {mode}: tau {walk['tau']:.3f} over {walk['rounds']} rounds of "
+              f"{result['walk']['num_sequences']} responses ({domains})")
     return 0
 
 

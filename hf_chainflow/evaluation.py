@@ -13,6 +13,13 @@ A draft position past the end of the response (`target_mask` false) is never acc
 accepted and whose position `i` exists.  Trees (`tree=(W, D)`): the longest root-to-node path matching the true
 tokens is accepted.
 
+`tau` above is the mean over *all* anchors.  A serving loop does not visit all anchors: after a round that accepts
+`a` tokens the next round starts `a + 1` positions later, so easy stretches are crossed in few rounds and hard ones
+in many, and served `tau` (tokens / rounds) is lower than the anchor mean.  The *serving walk* replays that on the
+cached responses: start at a response's first anchor, draft, accept, jump `a + 1` anchors, repeat; its
+`tau = tokens / rounds` is what the serving loop would measure on these responses (`walk_rounds`,
+`evaluate_walk`).
+
 Two chain paths give the same drafts: `reference_chain` calls `drafter.draft` per window (the serving call); the
 default batched path (`draft_chains`) runs the same computation for a batch of windows at once.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -137,7 +145,8 @@ def _domain_names(dataset) -> list[str] | None:
 @torch.no_grad()
 def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int = 64, max_windows: int | None = None,
                      tree: tuple[int, int] | None = None, tree_budget: int | None = None,
-                     max_tree_windows: int | None = 512, num_flow_steps: int | None = None, batched: bool = True, output_dir: str | os.PathLike | None = None,
+                     max_tree_windows: int | None = 512, num_flow_steps: int | None = None, batched: bool = True,
+                     walk_sequences: int | None = None, output_dir: str | os.PathLike | None = None,
                      seed: int = 0, progress: bool = True) -> dict:
     """Offline `tau` of `drafter` (bound to its target) on the windows of `dataset`.
 
@@ -150,10 +159,13 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
         tree: `(width, depth)` to also measure tree drafting (per window, on at most `max_tree_windows` of them).
         tree_budget: keep that many nodes of each tree (highest path probability; `None`: all).
         batched: use `draft_chains` (fast) rather than one `drafter.draft` call per window (the serving call).
+        walk_sequences: also replay the serving walk (`evaluate_walk`) on this many responses of `dataset` (seeded;
+            all of them if it has fewer): the `tau` a serving loop would measure on them. Needs every anchor of
+            those responses, so `dataset` must record `seq_of` and `anchor` (a `ChainFlowWindowDataset`).
         output_dir: where to write `offline_eval.json` and `acceptance.png`.
 
     Returns a dict: `tau`, `acceptance` (acc@1..k), counts, `per_domain` (the same per domain name), `tree` (if
-    asked), `settings`.
+    asked), `walk` (if asked), `settings`.
     """
     model = drafter
     drafter = unwrap_drafter(model)
@@ -164,6 +176,8 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     if tree is not None:
         width, depth = tree
         drafter._check_draft_args("tree", 1, width, depth, tree_budget)
+    if walk_sequences is not None:
+        sequence_walks(dataset)  # fails now, before any drafting, on a dataset the walk cannot use
     data = _subset(dataset, max_windows, seed)
     names = _domain_names(dataset)
     if len(data) == 0:
@@ -191,30 +205,41 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
         return "all" if d < 0 else names[d] if names is not None and d < len(names) else str(d)
 
     result = {"settings": {"num_tokens": num_tokens, "num_flow_steps": num_flow_steps or drafter.config.num_flow_steps,
-                           "max_windows": max_windows, "batched": batched, "seed": seed}}
+                           "max_windows": max_windows, "batched": batched, "walk_sequences": walk_sequences,
+                           "seed": seed}}
     result.update(summarize(accepted, valid, num_tokens))
     result["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], num_tokens)
                             for d in sorted(set(domains.tolist()))}
     if tree is not None:
         result["tree"] = _evaluate_tree(drafter, data, width, depth, tree_budget, max_tree_windows, num_flow_steps,
                                         seed, label, progress)
+    if walk_sequences is not None:
+        result["walk"] = evaluate_walk(drafter, dataset, num_tokens=num_tokens, tree=tree, tree_budget=tree_budget,
+                                       max_sequences=walk_sequences, num_flow_steps=num_flow_steps, seed=seed,
+                                       label=label, progress=progress)
     model.train(was_training)
     if output_dir is not None:
         write_report(result, output_dir)
     return result
 
 
+def _tree_window_length(drafter, w: dict, width: int, depth: int, budget: int | None,
+                        num_flow_steps: int | None) -> tuple[int, int]:
+    """The serving call `drafter.draft(mode="tree")` on one window -> (accepted length, the tree's depth)."""
+    states = w["context_states"][w["context_mask"].bool()][None].to(drafter.device)  # (1, T<=C, D)
+    committed = _committed(w["prev_tokens"], drafter.config.path_order)[None].to(drafter.device)  # (1, p)
+    tree = drafter.draft(states, committed, mode="tree", tree_width=width, tree_depth=depth, tree_budget=budget,
+                         num_flow_steps=num_flow_steps)
+    return tree_accepted_length(tree, w["target_tokens"].to(tree.tokens.device), w["target_mask"]), tree.max_depth
+
+
 def _evaluate_tree(drafter, data, width, depth, budget, max_windows, num_flow_steps, seed, label, progress) -> dict:
     """Per-window tree drafting (`drafter.draft(mode="tree")`) and longest matching path."""
     data = _subset(data, max_windows, seed)
-    p = drafter.config.path_order
     accepted, valid, domains = [], [], []
     for i in tqdm(range(len(data)), desc=f"offline tau (tree {width}x{depth})", disable=not progress):
         w = data[i]
-        states = w["context_states"][w["context_mask"].bool()][None].to(drafter.device)
-        tree = drafter.draft(states, _committed(w["prev_tokens"], p)[None].to(drafter.device), mode="tree",
-                             tree_width=width, tree_depth=depth, tree_budget=budget, num_flow_steps=num_flow_steps)
-        accepted.append(tree_accepted_length(tree, w["target_tokens"].to(tree.tokens.device), w["target_mask"]))
+        accepted.append(_tree_window_length(drafter, w, width, depth, budget, num_flow_steps)[0])
         valid.append(w["target_mask"][:depth].bool().numpy())
         domains.append(int(w["domain"]) if "domain" in w else -1)
     accepted, valid, domains = np.array(accepted), np.stack(valid), np.array(domains)
@@ -222,6 +247,97 @@ def _evaluate_tree(drafter, data, width, depth, budget, max_windows, num_flow_st
     out["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], depth)
                          for d in sorted(set(domains.tolist()))}
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The serving walk
+# ----------------------------------------------------------------------------------------------------------------
+def walk_rounds(accepted_at: Callable[[int], int], num_anchors: int) -> list[int]:
+    """Accepted lengths of the rounds a serving loop runs over one response of `num_anchors` consecutive anchors.
+
+    The first round drafts at anchor 0; a round at anchor `i` that accepts `a` draft tokens commits `a + 1` tokens
+    (the bonus included), so the next round drafts at anchor `i + a + 1`.  `accepted_at(i)` is called only for the
+    anchors visited.
+    """
+    out, i = [], 0
+    while i < num_anchors:
+        a = int(accepted_at(i))
+        if a < 0:
+            raise ValueError(f"`accepted_at({i})` returned {a}; an accepted length is at least 0.")
+        out.append(a)
+        i += a + 1
+    return out
+
+
+def sequence_walks(dataset) -> list[np.ndarray]:
+    """Per response of `dataset`, the indices of its windows in anchor order (every anchor must be present)."""
+    seq_of, anchor = getattr(dataset, "seq_of", None), getattr(dataset, "anchor", None)
+    if seq_of is None or anchor is None:
+        raise ValueError("The serving walk needs a dataset that records each window's response and anchor (`seq_of`, "
+                         f"`anchor`, as `ChainFlowWindowDataset` does); got a {type(dataset).__name__}.")
+    seq_of, anchor = np.asarray(seq_of), np.asarray(anchor)
+    order = np.lexsort((anchor, seq_of))  # by response, then anchor
+    walks = np.split(order, np.flatnonzero(np.diff(seq_of[order])) + 1) if len(order) else []
+    for idx in walks:
+        if np.any(np.diff(anchor[idx]) != 1):
+            raise ValueError(f"Response {int(seq_of[idx[0]])} of the dataset lacks some anchors (it has "
+                             f"{len(idx)} between {int(anchor[idx[0]])} and {int(anchor[idx[-1]])}); the serving "
+                             "walk needs every anchor: build the dataset without `max_windows`.")
+    return walks
+
+
+def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], depth: int) -> dict:
+    """tokens / rounds; per depth `d`, the share of rounds drafting deeper than `d - 1` that accepted at least `d`
+    tokens (the bench's `acceptance_per_depth`, `hf_chainflow.stats`)."""
+    a, n = np.asarray(rounds), np.asarray(drafted)
+    out = {"tau": float((a + 1).sum() / len(a)), "rounds": len(a), "tokens": int((a + 1).sum()),
+           "acceptance_per_depth": [float((a[n >= d] >= d).mean()) if (n >= d).any() else 0.0
+                                    for d in range(1, depth + 1)]}
+    names = np.asarray(domains)
+    out["per_domain"] = {name: {"tau": float((a[names == name] + 1).mean()), "rounds": int((names == name).sum())}
+                         for name in sorted(set(domains))}
+    return out
+
+
+@torch.no_grad()
+def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int] | None = None,
+                  tree_budget: int | None = None, max_sequences: int | None = None, num_flow_steps: int | None = None,
+                  seed: int = 0, label: Callable[[int], str] = str, progress: bool = True) -> dict:
+    """Served `tau` replayed on cached responses: chain (and tree) drafting along each response's serving walk.
+
+    Every round is the serving call (`drafter.draft`) on the window at the walk's anchor.  `max_sequences` walks a
+    seeded random subset of the responses.  Returns `num_sequences` and, per mode (`chain`, `tree`), `tau`
+    (tokens / rounds), `rounds`, `tokens`, `acceptance_per_depth` (as the bench counts it) and `per_domain`.
+    """
+    walks = sequence_walks(dataset)
+    if max_sequences is not None:
+        if not isinstance(max_sequences, int) or max_sequences < 1:
+            raise ValueError(f"`max_sequences` must be a positive integer or None, got {max_sequences!r}.")
+        if max_sequences < len(walks):
+            keep = np.sort(np.random.default_rng(seed).choice(len(walks), size=max_sequences, replace=False))
+            walks = [walks[i] for i in keep]
+    modes = {"chain": num_tokens} if tree is None else {"chain": num_tokens, "tree": tree[1]}
+    result = {"num_sequences": len(walks)}
+    for mode, depth in modes.items():
+        rounds, drafted, domains = [], [], []
+        for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
+            def accepted_at(i: int, idx=idx, mode=mode) -> int:
+                w = dataset[int(idx[i])]
+                if mode == "tree":
+                    a, d = _tree_window_length(drafter, w, tree[0], tree[1], tree_budget, num_flow_steps)
+                else:
+                    drafts = reference_chain(drafter, w, num_tokens, num_flow_steps).cpu()[None]  # (1, k)
+                    a = int(accepted_lengths(drafts, w["target_tokens"][None], w["target_mask"][None])[0])
+                    d = drafts.shape[1]
+                drafted.append(d)
+                return a
+
+            visited = walk_rounds(accepted_at, len(idx))
+            first = dataset[int(idx[0])]
+            rounds += visited
+            domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
+        result[mode] = _walk_summary(rounds, drafted, domains, depth)
+    return result
 
 
 def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Path]:
@@ -254,5 +370,5 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
     return json_path, png_path
 
 
-__all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "reference_chain", "summarize",
-           "tree_accepted_length", "write_report"]
+__all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "reference_chain",
+           "sequence_walks", "summarize", "tree_accepted_length", "walk_rounds", "write_report"]

@@ -1,4 +1,5 @@
-"""Offline acceptance: accounting by hand, batched chains == the serving call, tree acceptance, report files."""
+"""Offline acceptance: accounting by hand, batched chains == the serving call, tree acceptance, report files, and the
+serving walk (by hand, on a truth-copying drafter, and equal to a walk over per-window accepted lengths)."""
 
 import json
 
@@ -11,9 +12,12 @@ from hf_chainflow.evaluation import (
     accepted_lengths,
     draft_chains,
     evaluate_offline,
+    evaluate_walk,
     reference_chain,
+    sequence_walks,
     summarize,
     tree_accepted_length,
+    walk_rounds,
 )
 from hf_chainflow.testing import tiny_target
 
@@ -108,3 +112,80 @@ def test_a_drafter_that_copies_the_truth_reaches_full_acceptance(setup, monkeypa
     valid = np.stack([w["target_mask"][:3].numpy() for w in windows])
     assert out["tau"] == pytest.approx(1 + valid.sum(1).mean())
     assert out["acceptance"] == [1.0, 1.0, 1.0]
+
+
+class _Responses(list):
+    """`make_windows` output with the response/anchor bookkeeping of `ChainFlowWindowDataset` (`seq_of`, `anchor`)."""
+
+    def __init__(self, windows, num_seqs):
+        super().__init__(windows)
+        per = len(windows) // num_seqs  # make_windows: response s, then anchors 0..L-3
+        self.seq_of = np.repeat(np.arange(num_seqs), per)
+        self.anchor = np.tile(np.arange(per), num_seqs)
+
+
+def test_walk_rounds_jump_past_what_each_round_commits():
+    lengths = {0: 2, 3: 0, 4: 1, 6: 3}  # any other anchor is never visited
+    visited = []
+
+    def accepted_at(i):
+        visited.append(i)
+        return lengths[i]
+
+    assert walk_rounds(accepted_at, 7) == [2, 0, 1, 3]  # a round at i accepting a commits a + 1: next round i + a + 1
+    assert visited == [0, 3, 4, 6]
+    assert walk_rounds(accepted_at, 0) == []
+    with pytest.raises(ValueError, match="at least 0"):
+        walk_rounds(lambda i: -1, 3)
+
+
+def test_sequence_walks_orders_anchors_and_needs_all_of_them():
+    class Fake(list):
+        seq_of = np.array([1, 0, 1, 0, 1])
+        anchor = np.array([5, 3, 4, 4, 6])
+
+    walks = sequence_walks(Fake([0] * 5))
+    assert [w.tolist() for w in walks] == [[1, 3], [2, 0, 4]]
+    Fake.anchor = np.array([5, 3, 4, 4, 7])  # response 1 lacks anchor 6
+    with pytest.raises(ValueError, match="Response 1 .* lacks some anchors"):
+        sequence_walks(Fake([0] * 5))
+    with pytest.raises(ValueError, match="records each window's response and anchor"):
+        sequence_walks([{}, {}])
+
+
+def test_walk_of_a_drafter_that_copies_the_truth(setup, monkeypatch):
+    target, windows, drafter = setup
+    import hf_chainflow.evaluation as ev
+
+    monkeypatch.setattr(ev, "reference_chain", lambda d, w, k, steps=None: w["target_tokens"][:k])
+    out = evaluate_walk(drafter, _Responses(windows, 2), num_tokens=3, progress=False)
+    # 20 tokens, 18 anchors a response: rounds at anchors 0, 4, 8, 12 accept 3; at 16 only 2 targets remain
+    chain = out["chain"]
+    assert out["num_sequences"] == 2 and chain["rounds"] == 10 and chain["tokens"] == 2 * (4 * 4 + 3)
+    assert chain["tau"] == pytest.approx(19 / 5)
+    assert chain["acceptance_per_depth"] == pytest.approx([1.0, 1.0, 0.8])
+    assert chain["per_domain"] == {"0": {"tau": pytest.approx(3.8), "rounds": 5},
+                                   "1": {"tau": pytest.approx(3.8), "rounds": 5}}
+
+
+def test_walk_equals_a_walk_over_per_window_lengths(setup):
+    """`evaluate_offline(walk_sequences=...)`: the chain walk agrees with per-window serving calls, walked by hand."""
+    target, windows, drafter = setup
+    data = _Responses(windows, 2)
+    out = evaluate_offline(drafter, data, num_tokens=3, tree=(4, 3), walk_sequences=5, progress=False)
+    lengths = [int(accepted_lengths(reference_chain(drafter, w, 3)[None], w["target_tokens"][None],
+                                    w["target_mask"][None])[0]) for w in windows]
+    per = len(windows) // 2
+    rounds = walk_rounds(lambda i: lengths[i], per) + walk_rounds(lambda i: lengths[per + i], per)
+    walk = out["walk"]
+    assert walk["num_sequences"] == 2 and out["settings"]["walk_sequences"] == 5
+    assert walk["chain"]["rounds"] == len(rounds) and walk["chain"]["tokens"] == sum(a + 1 for a in rounds)
+    assert walk["chain"]["tau"] == pytest.approx(sum(a + 1 for a in rounds) / len(rounds))
+    assert 1.0 <= walk["tree"]["tau"] <= 4.0 and len(walk["tree"]["acceptance_per_depth"]) == 3
+    assert sum(d["rounds"] for d in walk["tree"]["per_domain"].values()) == walk["tree"]["rounds"]
+    one = evaluate_walk(drafter, data, num_tokens=3, max_sequences=1, progress=False)
+    assert one["num_sequences"] == 1 and one["chain"]["rounds"] < walk["chain"]["rounds"]
+    with pytest.raises(ValueError, match="records each window's response and anchor"):
+        evaluate_offline(drafter, windows, num_tokens=3, walk_sequences=2, progress=False)
+    with pytest.raises(ValueError, match="`max_sequences` must be a positive integer"):
+        evaluate_walk(drafter, data, max_sequences=0, progress=False)

@@ -61,8 +61,9 @@ def _run(tmp: Path):
     tau = {}
     for name in ("untrained", "drafter"):
         out = tmp / f"eval-{name}"
+        walk = ["--walk-sequences", "4"] if name == "drafter" else []
         assert main(["eval-offline", "--drafter", str(tmp / name), "--target", str(tmp / "target"),
-                     "--data", str(tmp / "data-heldout"), "--out", str(out), "--num-tokens", "3"]) == 0
+                     "--data", str(tmp / "data-heldout"), "--out", str(out), "--num-tokens", "3", *walk]) == 0
         tau[name] = json.loads((out / "offline_eval.json").read_text())
         assert (out / "acceptance.png").is_file()
     print(f"held-out tau: untrained {tau['untrained']['tau']:.3f}, trained {tau['drafter']['tau']:.3f}")
@@ -70,6 +71,9 @@ def _run(tmp: Path):
     assert tau["untrained"]["tau"] < 1.1  # a fresh drafter drafts essentially nothing the target would accept
     assert tau["drafter"]["tau"] > tau["untrained"]["tau"] + 0.3
     assert tau["drafter"]["acceptance"][0] > tau["untrained"]["acceptance"][0] + 0.15
+    walk = tau["drafter"]["walk"]  # the serving walk over 4 held-out responses
+    assert walk["num_sequences"] == 4 and "walk" not in tau["untrained"]
+    assert 1.0 < walk["chain"]["tau"] <= 4.0 and len(walk["chain"]["acceptance_per_depth"]) == 3
 
     # Warm-start on the held-out data with the training data replayed, its shards chosen (`--replay-shards`).
     assert main(["train", "--target", str(tmp / "target"), "--init-from", str(tmp / "drafter"),
