@@ -53,9 +53,7 @@ def main():
     torch.set_num_threads(args.threads)
     target, _ = load_target("smollm2-135m-instruct")
     drafter = ChainFlowDrafter.from_pretrained(args.drafter, target=target, dtype=torch.float32).eval()
-    cfg = drafter.config
-    data = ChainFlowWindowDataset(args.data, context_len=cfg.context_size, num_draft=cfg.num_draft_positions,
-                                  num_parents=cfg.path_order, shards=args.shards)
+    data = ChainFlowWindowDataset.for_drafter(args.data, drafter.config, shards=args.shards)
     common = dict(num_tokens=args.num_tokens, max_windows=args.max_windows, progress=False, seed=0)
     rows = []
 
@@ -71,7 +69,7 @@ def main():
 
     print(f"| ablation | setting | offline tau (chain {args.num_tokens}, or tree) | acc@i |\n|---|---|---|---|")
     for source in ("extrapolate", "repeat", "noise"):
-        run("source (serving)", source + (" (trained)" if source == cfg.source else ""), variant(drafter, source=source))
+        run("source (serving)", source + (" (trained)" if source == drafter.config.source else ""), variant(drafter, source=source))
     for steps in (1, 2, 4):
         run("flow steps (serving)", str(steps), drafter, num_flow_steps=steps)
     for fb in ("markov+path", "markov", "none"):

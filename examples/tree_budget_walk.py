@@ -95,9 +95,7 @@ def main() -> None:
 
     target, _ = load_target("smollm2-135m-instruct")
     drafter = ChainFlowDrafter.from_pretrained(args.drafter, target=target, dtype=torch.float32).eval()
-    cfg = drafter.config
-    data = ChainFlowWindowDataset(args.data, context_len=cfg.context_size, num_draft=cfg.num_draft_positions,
-                                  num_parents=cfg.path_order, shards=args.shards)
+    data = ChainFlowWindowDataset.for_drafter(args.data, drafter.config, shards=args.shards)
     walks = sequence_walks(data)
     if args.responses < len(walks):
         keep = np.sort(np.random.default_rng(args.seed).choice(len(walks), size=args.responses, replace=False))

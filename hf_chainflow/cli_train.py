@@ -143,8 +143,7 @@ def parse_shards(text: str) -> list[int]:
 def _window_dataset(data_dir, config, **kwargs):
     from hf_chainflow.data import ChainFlowWindowDataset
 
-    return ChainFlowWindowDataset(data_dir, context_len=config.context_size, num_draft=config.num_draft_positions,
-                                  num_parents=config.path_order, **kwargs)
+    return ChainFlowWindowDataset.for_drafter(data_dir, config, **kwargs)
 
 
 def state_statistics(data_dir, max_states: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:

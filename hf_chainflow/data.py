@@ -522,6 +522,13 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
             perm = rng.permutation(len(self.anchor))
             self.seq_of, self.anchor = self.seq_of[perm], self.anchor[perm]
 
+    @classmethod
+    def for_drafter(cls, data_dir: str | os.PathLike, config, **kwargs) -> "ChainFlowWindowDataset":
+        """The windows a drafter of `config` (a `ChainFlowConfig`) trains and is evaluated on: its context size,
+        draft positions and path order; `kwargs` as for the constructor (`shards`, `max_windows`, ...)."""
+        return cls(data_dir, context_len=config.context_size, num_draft=config.num_draft_positions,
+                   num_parents=config.path_order, **kwargs)
+
     def __len__(self) -> int:
         return len(self.anchor)
 

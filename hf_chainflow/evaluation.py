@@ -278,11 +278,17 @@ def sequence_walks(dataset) -> list[np.ndarray]:
     seq_of, anchor = np.asarray(seq_of), np.asarray(anchor)
     order = np.lexsort((anchor, seq_of))  # by response, then anchor
     walks = np.split(order, np.flatnonzero(np.diff(seq_of[order])) + 1) if len(order) else []
+    sequences = getattr(dataset, "sequences", None)  # `ChainFlowWindowDataset`: each response's full anchor span
     for idx in walks:
-        if np.any(np.diff(anchor[idx]) != 1):
-            raise ValueError(f"Response {int(seq_of[idx[0]])} of the dataset lacks some anchors (it has "
-                             f"{len(idx)} between {int(anchor[idx[0]])} and {int(anchor[idx[-1]])}); the serving "
-                             "walk needs every anchor: build the dataset without `max_windows`.")
+        first, last = int(anchor[idx[0]]), int(anchor[idx[-1]])
+        span = (first, last)
+        if sequences is not None:  # anchors run from the last prompt position to the third-to-last token
+            seq = sequences[int(seq_of[idx[0]])]
+            span = (seq["response_start"] - 1, seq["length"] - 3)
+        if np.any(np.diff(anchor[idx]) != 1) or (first, last) != span:
+            raise ValueError(f"Response {int(seq_of[idx[0]])} of the dataset lacks some anchors (it has {len(idx)} "
+                             f"between {first} and {last}, of {span[0]}..{span[1]}); the serving walk needs every "
+                             "anchor: build the dataset without `max_windows`.")
     return walks
 
 

@@ -128,6 +128,23 @@ def test_window_subsample_shuffle_and_pickle(prepared):
         ChainFlowWindowDataset(prepared, shards=[7])
 
 
+def test_windows_for_a_drafter_config_and_their_serving_walks(prepared):
+    from types import SimpleNamespace
+
+    from hf_chainflow.evaluation import sequence_walks
+
+    config = SimpleNamespace(context_size=5, num_draft_positions=3, path_order=4)
+    ds = ChainFlowWindowDataset.for_drafter(prepared, config, shuffle=True, seed=1)
+    assert (ds.C, ds.K, ds.p) == (5, 3, 4)
+    walks = sequence_walks(ds)  # shuffled windows, regrouped per response in anchor order
+    assert len(walks) == len(ds.sequences) and sum(len(w) for w in walks) == len(ds)
+    for idx in walks:
+        assert len(set(ds.seq_of[idx].tolist())) == 1
+        assert ds.anchor[idx].tolist() == list(range(int(ds.anchor[idx[0]]), int(ds.anchor[idx[0]]) + len(idx)))
+    with pytest.raises(ValueError, match="lacks some anchors"):
+        sequence_walks(ChainFlowWindowDataset.for_drafter(prepared, config, max_windows=len(ds) // 2))
+
+
 def test_shortlist_is_response_vocabulary_plus_eos(prepared):
     expected = {2}
     for s in iter_sequences(prepared):

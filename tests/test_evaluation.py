@@ -151,6 +151,10 @@ def test_sequence_walks_orders_anchors_and_needs_all_of_them():
         sequence_walks(Fake([0] * 5))
     with pytest.raises(ValueError, match="records each window's response and anchor"):
         sequence_walks([{}, {}])
+    Fake.anchor = np.array([5, 3, 4, 4, 6])
+    Fake.sequences = [{"response_start": 4, "length": 9}, {"response_start": 5, "length": 9}]  # spans 3..6, 4..6
+    with pytest.raises(ValueError, match=r"Response 0 .* between 3 and 4, of 3..6"):
+        sequence_walks(Fake([0] * 5))  # response 0 lacks its last anchors 5 and 6: no gap, but short of its span
 
 
 def test_walk_of_a_drafter_that_copies_the_truth(setup, monkeypatch):
