@@ -176,8 +176,9 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     if tree is not None:
         width, depth = tree
         drafter._check_draft_args("tree", 1, width, depth, tree_budget)
-    if walk_sequences is not None:
-        sequence_walks(dataset)  # fails now, before any drafting, on a dataset the walk cannot use
+    if walk_sequences is not None:  # fail now, before any drafting, on a count or a dataset the walk cannot use
+        _check_max_sequences(walk_sequences, "walk_sequences")
+        sequence_walks(dataset)
     data = _subset(dataset, max_windows, seed)
     names = _domain_names(dataset)
     if len(data) == 0:
@@ -305,25 +306,39 @@ def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], dep
     return out
 
 
+def _check_max_sequences(value, name: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"`{name}` must be a positive integer (a number of responses) or None, got {value!r}.")
+
+
 @torch.no_grad()
 def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int] | None = None,
                   tree_budget: int | None = None, max_sequences: int | None = None, num_flow_steps: int | None = None,
-                  seed: int = 0, label: Callable[[int], str] = str, progress: bool = True) -> dict:
+                  seed: int = 0, label: Callable[[int], str] | None = None, progress: bool = True) -> dict:
     """Served `tau` replayed on cached responses: chain (and tree) drafting along each response's serving walk.
 
     Every round is the serving call (`drafter.draft`) on the window at the walk's anchor.  `max_sequences` walks a
-    seeded random subset of the responses.  Returns `num_sequences` and, per mode (`chain`, `tree`), `tau`
-    (tokens / rounds), `rounds`, `tokens`, `acceptance_per_depth` (as the bench counts it) and `per_domain`.
+    seeded random subset of the responses; `label` names a window's `domain` index (default: the dataset's
+    `domains`).  Returns `num_sequences` and, per mode (`chain`, `tree`), `tau` (tokens / rounds), `rounds`,
+    `tokens`, `acceptance_per_depth` (as the bench counts it) and `per_domain`.
     """
+    drafter = unwrap_drafter(drafter)
+    drafter._require_bound()
+    drafter._check_draft_args("chain", num_tokens, 1, 1)
+    if tree is not None:
+        drafter._check_draft_args("tree", 1, tree[0], tree[1], tree_budget)
+    _check_max_sequences(max_sequences, "max_sequences")
+    if label is None:
+        names = _domain_names(dataset)
+        label = (lambda d: names[d]) if names is not None else str
     walks = sequence_walks(dataset)
-    if max_sequences is not None:
-        if not isinstance(max_sequences, int) or max_sequences < 1:
-            raise ValueError(f"`max_sequences` must be a positive integer or None, got {max_sequences!r}.")
-        if max_sequences < len(walks):
-            keep = np.sort(np.random.default_rng(seed).choice(len(walks), size=max_sequences, replace=False))
-            walks = [walks[i] for i in keep]
+    if max_sequences is not None and max_sequences < len(walks):
+        keep = np.sort(np.random.default_rng(seed).choice(len(walks), size=max_sequences, replace=False))
+        walks = [walks[i] for i in keep]
     modes = {"chain": num_tokens} if tree is None else {"chain": num_tokens, "tree": tree[1]}
     result = {"num_sequences": len(walks)}
+    was_training = drafter.training
+    drafter.eval()
     for mode, depth in modes.items():
         rounds, drafted, domains = [], [], []
         for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
@@ -343,6 +358,7 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
             rounds += visited
             domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
         result[mode] = _walk_summary(rounds, drafted, domains, depth)
+    drafter.train(was_training)
     return result
 
 

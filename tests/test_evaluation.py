@@ -193,3 +193,7 @@ def test_walk_equals_a_walk_over_per_window_lengths(setup):
         evaluate_offline(drafter, windows, num_tokens=3, walk_sequences=2, progress=False)
     with pytest.raises(ValueError, match="`max_sequences` must be a positive integer"):
         evaluate_walk(drafter, data, max_sequences=0, progress=False)
+    with pytest.raises(ValueError, match="`walk_sequences` must be a positive integer .* got 0"):
+        evaluate_offline(drafter, data, num_tokens=3, walk_sequences=0, progress=False)
+    with pytest.raises(ValueError, match="num_assistant_tokens"):
+        evaluate_walk(drafter, data, num_tokens=9, progress=False)
