@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.cli_train import parse_shards
 from hf_chainflow.data import ChainFlowWindowDataset
-from hf_chainflow.evaluation import sequence_walks, walk_rounds
+from hf_chainflow.evaluation import sequence_walks, tree_matching_path, walk_rounds
 from hf_chainflow.targets import load_target
 
 NO_RANK = 10**6  # a path node the tree does not hold
@@ -57,15 +57,9 @@ def path_ranks(drafter, window: dict, width: int, depth: int) -> tuple[np.ndarra
     order = torch.sort(cum, descending=True, stable=True).indices  # the order `DraftTree.top_nodes` keeps
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel())
-    ranks, node = np.full(depth, NO_RANK), -1
-    for d in range(depth):
-        if not bool(window["target_mask"][d]):
-            break
-        hit = ((tree.parents == node) & (tree.tokens == window["target_tokens"][d])).nonzero()
-        if hit.numel() == 0:
-            break
-        node = int(hit[0, 0])
-        ranks[d] = int(rank[node])
+    ranks = np.full(depth, NO_RANK)
+    path = tree_matching_path(tree, window["target_tokens"], window["target_mask"])
+    ranks[: len(path)] = rank[path].numpy()
     return cum[order].numpy(), ranks
 
 

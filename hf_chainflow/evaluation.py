@@ -98,17 +98,24 @@ def accepted_lengths(drafts: torch.Tensor, target_tokens: torch.Tensor, target_m
     return match.long().cumprod(1).sum(1)
 
 
-def tree_accepted_length(tree, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> int:
-    """Depth of the longest root-to-node path of `tree` (a `DraftTree`) whose tokens equal the target's."""
-    node, depth = -1, 0
+def tree_matching_path(tree, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> list[int]:
+    """Node indices, root side first, of the longest root-to-node path of `tree` (a `DraftTree`) whose tokens
+    equal the target's."""
+    node, path = -1, []
     for d in range(tree.max_depth):
         if d >= target_tokens.shape[0] or not bool(target_mask[d]):
             break
         hit = ((tree.parents == node) & (tree.tokens == target_tokens[d])).nonzero()
         if hit.numel() == 0:
             break
-        node, depth = int(hit[0, 0]), depth + 1
-    return depth
+        node = int(hit[0, 0])
+        path.append(node)
+    return path
+
+
+def tree_accepted_length(tree, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> int:
+    """Depth of the longest root-to-node path of `tree` (a `DraftTree`) whose tokens equal the target's."""
+    return len(tree_matching_path(tree, target_tokens, target_mask))
 
 
 def summarize(accepted: np.ndarray, valid: np.ndarray, num_tokens: int) -> dict:
@@ -393,4 +400,5 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
 
 
 __all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "reference_chain",
-           "sequence_walks", "summarize", "tree_accepted_length", "walk_rounds", "write_report"]
+           "sequence_walks", "summarize", "tree_accepted_length", "tree_matching_path", "walk_rounds",
+           "write_report"]

@@ -17,6 +17,7 @@ from hf_chainflow.evaluation import (
     sequence_walks,
     summarize,
     tree_accepted_length,
+    tree_matching_path,
     walk_rounds,
 )
 from hf_chainflow.testing import tiny_target
@@ -58,6 +59,8 @@ def test_tree_accepts_the_longest_matching_root_path():
     assert tree_accepted_length(tree, torch.tensor([6, 8, 9, 1]), torch.tensor([1, 1, 0, 0]).bool()) == 2
     assert tree_accepted_length(tree, torch.tensor([5, 8, 9, 1]), ones) == 1  # 8 hangs under 6, not under 5
     assert tree_accepted_length(tree, torch.tensor([7, 5, 6, 7]), ones) == 0
+    assert tree_matching_path(tree, torch.tensor([6, 8, 9, 1]), ones) == [1, 3, 4]
+    assert tree_matching_path(tree, torch.tensor([7, 5, 6, 7]), ones) == []
 
 
 @pytest.fixture(scope="module")
