@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same three-stage recipe on the same data, offline tau on the held-out
-# shards 21-25. The third stage first generates the target's responses to 1,536 more training prompts (about
-# 50 minutes on a 2-core CPU; minutes with `--device cuda`).
+# FlashMap-style comparison trained with the same four-stage recipe on the same data, offline tau on the held-out
+# shards 21-25. The third and fourth stages each first generate the target's responses to 1,536 more training
+# prompts (about 50 minutes each on a 2-core CPU; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
 set -euo pipefail
 SHARED=${1:-../shared}
@@ -11,7 +11,8 @@ OUT=${2:-runs/smollm2}
 hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --out "$OUT/data" \
     --shard-size 128 --shuffle-seed 0 --threads 1
 # Stage 1: shards 0-6, 3000 steps (fresh drafters). Stage 2: shards 0-20, 6000 steps, warm-started. More-data
-# stage: 6000 steps on the new responses + replay, warm-started.
+# stage: 6000 steps on the new responses + replay, warm-started. Round 4: 3000 steps on a fourth round of responses
+# + replay, warm-started.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
@@ -20,12 +21,20 @@ python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train
     --per-domain 192 --seed 2026 --out "$OUT/more/prompts.jsonl"
 hf-chainflow prepare --prompts "$OUT/more/prompts.jsonl" --out "$OUT/more/data" --shard-size 128 --shuffle-seed 0 \
     --batch-size 32
+python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
+    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
+    --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2027 --out "$OUT/more2/prompts.jsonl"
+hf-chainflow prepare --prompts "$OUT/more2/prompts.jsonl" --out "$OUT/more2/data" --shard-size 128 \
+    --shuffle-seed 0 --batch-size 32
 for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_stage2.yaml --init-from "$OUT/$name-stage1" \
         --data "$OUT/data" --out "$OUT/$name-stage2"
     # The more-data stage: the 1,536 new responses, with stage 2's shards 0-20 replayed as 60 % of the mix.
     hf-chainflow train --config examples/train_smollm2_more_data.yaml --init-from "$OUT/$name-stage2" \
-        --data "$OUT/more/data" --replay "$OUT/data" --out "$OUT/$name"
+        --data "$OUT/more/data" --replay "$OUT/data" --out "$OUT/$name-more"
+    # Round 4: a fourth round of 1,536 new responses, the same replay, half the steps.
+    hf-chainflow train --config examples/train_smollm2_round4.yaml --init-from "$OUT/$name-more" \
+        --data "$OUT/more2/data" --replay "$OUT/data" --out "$OUT/$name"
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
         --max-windows 4000 --tree 8x4 --tree-budget 12 --max-tree-windows 600 --threads 1
 done
