@@ -104,7 +104,6 @@ def main():
                                       tree_budget=budget), args.repeats)
             drafter.predict_states = eager
         cache = out.cache if "cache" in out else out.past_key_values
-        past = cache.get_seq_length()
         for n in (1, 4, 8, 11, 13, 23, 32, 33):  # 11: PLD-10; 23: tree + merged branch; 32/33: a kernel step
             def step(n=n):
                 target(torch.randint(100, 20000, (1, n)), cache=cache, use_cache=True)

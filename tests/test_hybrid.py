@@ -13,7 +13,6 @@ from hf_chainflow.hybrid import gdn_layers, is_hybrid_target, prepare_hybrid_tar
 from hf_chainflow.testing import tiny_target
 from hf_chainflow.verification import build_verify_inputs, commit, verify_forward
 
-from hf_chainflow.tree import DraftTree
 from _trees import PREFIX_LEN, TREE_PARENTS, make_tree, plain, prefilled  # noqa: F401
 
 ATOL = 1e-4
