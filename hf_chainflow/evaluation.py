@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +39,17 @@ from tqdm.auto import tqdm
 from transformers import default_data_collator
 
 from .trainer import unwrap_drafter
+
+
+@contextmanager
+def _eval_mode(module: torch.nn.Module):
+    """`module.eval()` for the block; its training flag comes back afterwards, also when the block raises."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,24 +202,6 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     names = _domain_names(dataset)
     if len(data) == 0:
         raise ValueError("`dataset` holds no windows to evaluate.")
-    was_training = model.training
-    model.eval()
-    p, device = drafter.config.path_order, drafter.device
-    accepted, valid, domains = [], [], []
-    loader = DataLoader(data, batch_size=batch_size if batched else 1, collate_fn=default_data_collator)
-    for batch in tqdm(loader, desc="offline tau", disable=not progress, unit="batch"):
-        if batched:
-            drafts = draft_chains(drafter, batch["context_states"].to(device), batch["context_mask"].to(device),
-                                  _committed(batch["prev_tokens"], p).to(device), num_tokens, num_flow_steps).cpu()
-        else:
-            drafts = reference_chain(drafter, {k: v[0] for k, v in batch.items()}, num_tokens, num_flow_steps)
-            drafts = drafts.cpu()[None]
-        accepted.append(accepted_lengths(drafts, batch["target_tokens"], batch["target_mask"]))
-        valid.append(batch["target_mask"][:, :num_tokens].bool())
-        domains.append(batch["domain"] if "domain" in batch else torch.full((drafts.shape[0],), -1))
-    accepted = torch.cat(accepted).numpy()
-    valid = torch.cat(valid).numpy()
-    domains = torch.cat(domains).numpy()
 
     def label(d: int) -> str:
         return "all" if d < 0 else names[d] if names is not None and d < len(names) else str(d)
@@ -215,17 +209,33 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     result = {"settings": {"num_tokens": num_tokens, "num_flow_steps": num_flow_steps or drafter.config.num_flow_steps,
                            "max_windows": max_windows, "batched": batched, "walk_sequences": walk_sequences,
                            "seed": seed}}
-    result.update(summarize(accepted, valid, num_tokens))
-    result["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], num_tokens)
-                            for d in sorted(set(domains.tolist()))}
-    if tree is not None:
-        result["tree"] = _evaluate_tree(drafter, data, width, depth, tree_budget, max_tree_windows, num_flow_steps,
-                                        seed, label, progress)
-    if walk_sequences is not None:
-        result["walk"] = evaluate_walk(drafter, dataset, num_tokens=num_tokens, tree=tree, tree_budget=tree_budget,
-                                       max_sequences=walk_sequences, num_flow_steps=num_flow_steps, seed=seed,
-                                       label=label, progress=progress)
-    model.train(was_training)
+    with _eval_mode(model):
+        p, device = drafter.config.path_order, drafter.device
+        accepted, valid, domains = [], [], []
+        loader = DataLoader(data, batch_size=batch_size if batched else 1, collate_fn=default_data_collator)
+        for batch in tqdm(loader, desc="offline tau", disable=not progress, unit="batch"):
+            if batched:
+                drafts = draft_chains(drafter, batch["context_states"].to(device), batch["context_mask"].to(device),
+                                      _committed(batch["prev_tokens"], p).to(device), num_tokens, num_flow_steps).cpu()
+            else:
+                drafts = reference_chain(drafter, {k: v[0] for k, v in batch.items()}, num_tokens, num_flow_steps)
+                drafts = drafts.cpu()[None]
+            accepted.append(accepted_lengths(drafts, batch["target_tokens"], batch["target_mask"]))
+            valid.append(batch["target_mask"][:, :num_tokens].bool())
+            domains.append(batch["domain"] if "domain" in batch else torch.full((drafts.shape[0],), -1))
+        accepted = torch.cat(accepted).numpy()
+        valid = torch.cat(valid).numpy()
+        domains = torch.cat(domains).numpy()
+        result.update(summarize(accepted, valid, num_tokens))
+        result["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], num_tokens)
+                                for d in sorted(set(domains.tolist()))}
+        if tree is not None:
+            result["tree"] = _evaluate_tree(drafter, data, width, depth, tree_budget, max_tree_windows, num_flow_steps,
+                                            seed, label, progress)
+        if walk_sequences is not None:
+            result["walk"] = evaluate_walk(drafter, dataset, num_tokens=num_tokens, tree=tree, tree_budget=tree_budget,
+                                           max_sequences=walk_sequences, num_flow_steps=num_flow_steps, seed=seed,
+                                           label=label, progress=progress)
     if output_dir is not None:
         write_report(result, output_dir)
     return result
@@ -344,28 +354,26 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
         walks = [walks[i] for i in keep]
     modes = {"chain": num_tokens} if tree is None else {"chain": num_tokens, "tree": tree[1]}
     result = {"num_sequences": len(walks)}
-    was_training = drafter.training
-    drafter.eval()
-    for mode, depth in modes.items():
-        rounds, drafted, domains = [], [], []
-        for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
-            def accepted_at(i: int, idx=idx, mode=mode) -> int:
-                w = dataset[int(idx[i])]
-                if mode == "tree":
-                    a, d = _tree_window_length(drafter, w, tree[0], tree[1], tree_budget, num_flow_steps)
-                else:
-                    drafts = reference_chain(drafter, w, num_tokens, num_flow_steps).cpu()[None]  # (1, k)
-                    a = int(accepted_lengths(drafts, w["target_tokens"][None], w["target_mask"][None])[0])
-                    d = drafts.shape[1]
-                drafted.append(d)
-                return a
+    with _eval_mode(drafter):
+        for mode, depth in modes.items():
+            rounds, drafted, domains = [], [], []
+            for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
+                def accepted_at(i: int, idx=idx, mode=mode) -> int:
+                    w = dataset[int(idx[i])]
+                    if mode == "tree":
+                        a, d = _tree_window_length(drafter, w, tree[0], tree[1], tree_budget, num_flow_steps)
+                    else:
+                        drafts = reference_chain(drafter, w, num_tokens, num_flow_steps).cpu()[None]  # (1, k)
+                        a = int(accepted_lengths(drafts, w["target_tokens"][None], w["target_mask"][None])[0])
+                        d = drafts.shape[1]
+                    drafted.append(d)
+                    return a
 
-            visited = walk_rounds(accepted_at, len(idx))
-            first = dataset[int(idx[0])]
-            rounds += visited
-            domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
-        result[mode] = _walk_summary(rounds, drafted, domains, depth)
-    drafter.train(was_training)
+                visited = walk_rounds(accepted_at, len(idx))
+                first = dataset[int(idx[0])]
+                rounds += visited
+                domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
+            result[mode] = _walk_summary(rounds, drafted, domains, depth)
     return result
 
 

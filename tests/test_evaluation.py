@@ -200,3 +200,28 @@ def test_walk_equals_a_walk_over_per_window_lengths(setup):
         evaluate_offline(drafter, data, num_tokens=3, walk_sequences=0, progress=False)
     with pytest.raises(ValueError, match="num_assistant_tokens"):
         evaluate_walk(drafter, data, num_tokens=9, progress=False)
+
+
+@pytest.mark.parametrize("evaluate", ["offline", "walk"])
+def test_a_failing_evaluation_gives_the_drafter_back_in_its_training_mode(setup, monkeypatch, evaluate):
+    target, windows, drafter = setup
+    import hf_chainflow.evaluation as ev
+
+    seen = []
+
+    def broken(d, w, k, steps=None):
+        seen.append(d.training)
+        raise RuntimeError("drafting failed")
+
+    monkeypatch.setattr(ev, "reference_chain", broken)
+    drafter.train()
+    try:
+        with pytest.raises(RuntimeError, match="drafting failed"):
+            if evaluate == "offline":
+                evaluate_offline(drafter, windows, num_tokens=3, batched=False, progress=False)
+            else:
+                evaluate_walk(drafter, _Responses(windows, 2), num_tokens=3, progress=False)
+        assert seen == [False]  # drafted in eval mode ...
+        assert drafter.training  # ... and handed back in training mode despite the error
+    finally:
+        drafter.eval()
