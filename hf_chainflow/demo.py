@@ -56,6 +56,22 @@ def describe_settings(g) -> str:
     return text
 
 
+def hardware_note(dtype: str, bf16_support: dict[str, bool], capability: str) -> str | None:
+    """A note for bfloat16 runs on a CPU without native bfloat16 matrix instructions, else `None`.
+
+    `bf16_support` is `hf_chainflow.bench.bf16_matrix_instructions()`, `capability` torch's CPU capability string.
+    On such a CPU a bfloat16 forward over several tokens costs several single-token steps (docs/results.md,
+    "A CPU without bfloat16 matrix instructions"), so verification, which scores a draft in one forward, does not pay.
+    """
+    if dtype != "bfloat16" or any(bf16_support.values()):
+        return None
+    return (f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
+            f"{capability}). Here a bfloat16 forward over several tokens costs several single-token steps, so "
+            "speculative decoding is expected to be slower than plain generation in bfloat16; in `--dtype float32` "
+            "the outputs are exact and several tokens cost less in proportion (docs/results.md, \"A CPU without "
+            "bfloat16 matrix instructions\").")
+
+
 def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | None = None, lookup: bool | None = None,
              max_new_tokens: int = 96, print_fn=print) -> dict:
     """Stream speculative generations of `prompts`, then time plain generation of the same prompts.
@@ -142,6 +158,7 @@ def add_demo_parser(sub) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from . import ChainFlowDrafter
+    from .bench import bf16_matrix_instructions
     from .checkpoints import default_drafter_path
     from .cli import load_model_and_tokenizer
 
@@ -150,6 +167,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = args.drafter_path or default_drafter_path()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    note = hardware_note(args.dtype, bf16_matrix_instructions(), torch.backends.cpu.get_cpu_capability())
+    if note is not None:
+        print(note)
     target, tokenizer = load_model_and_tokenizer(args.target, dtype)
     drafter = ChainFlowDrafter.from_pretrained(path, target=target, dtype=torch.float32).eval()
     run_demo(target, tokenizer, drafter, args.prompt or DEMO_PROMPTS, mode=args.mode,
@@ -157,4 +177,4 @@ def run_demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["DEMO_PROMPTS", "add_demo_parser", "run_demo"]
+__all__ = ["DEMO_PROMPTS", "add_demo_parser", "hardware_note", "run_demo"]

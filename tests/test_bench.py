@@ -394,3 +394,17 @@ def test_bench_report_main_rewrites_a_saved_run(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["same_length"]["bfloat16"]["prompts"] == 1
     assert "## Same-length prompts" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup_per_domain.png").is_file()
+
+
+def test_demo_hardware_note_only_for_bfloat16_without_native_instructions():
+    from hf_chainflow.bench import bf16_matrix_instructions
+    from hf_chainflow.demo import hardware_note
+
+    none = {"amx_tile": False, "avx512_bf16": False}
+    note = hardware_note("bfloat16", none, "AVX2")
+    assert note is not None and "AVX2" in note and "--dtype float32" in note
+    assert hardware_note("float32", none, "AVX2") is None
+    assert hardware_note("bfloat16", {"amx_tile": True, "avx512_bf16": False}, "AVX512") is None
+    assert hardware_note("bfloat16", {"amx_tile": False, "avx512_bf16": True}, "AVX512") is None
+    support = bf16_matrix_instructions()
+    assert set(support) == {"amx_tile", "avx512_bf16"} and all(isinstance(v, bool) for v in support.values())
