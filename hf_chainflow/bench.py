@@ -683,6 +683,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtypes = _parse_dtypes(args.dtypes)
     tree = _parse_tree(args.tree)
+    if "bfloat16" in dtypes and not any(bf16_matrix_instructions().values()):
+        print(f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
+              f"{torch.backends.cpu.get_cpu_capability()}): a bfloat16 forward over several tokens costs several "
+              "single-token steps here, so bfloat16 speculative arms are expected to be slow (docs/results.md, "
+              "\"A CPU without bfloat16 matrix instructions\").")
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     default_arms = {"chain", "tree", "tree+lookup"}
     wants_default = not args.no_default_drafter and (only is None or bool(default_arms & set(only)))

@@ -408,3 +408,18 @@ def test_demo_hardware_note_only_for_bfloat16_without_native_instructions():
     assert hardware_note("bfloat16", {"amx_tile": False, "avx512_bf16": True}, "AVX512") is None
     support = bf16_matrix_instructions()
     assert set(support) == {"amx_tile", "avx512_bf16"} and all(isinstance(v, bool) for v in support.values())
+
+
+@pytest.mark.parametrize("support, noted", [(False, True), (True, False)])
+def test_bench_notes_a_cpu_without_bf16_matrix_instructions(monkeypatch, tmp_path, capsys, support, noted):
+    import hf_chainflow.bench as bench
+    from hf_chainflow.cli import main
+
+    monkeypatch.setattr(bench, "bf16_matrix_instructions", lambda: {"amx_tile": support, "avx512_bf16": False})
+    missing = tmp_path / "missing.jsonl"  # the run stops at the prompts, before any model loads
+    with pytest.raises(ValueError, match="--prompts"):
+        main(["bench", "--dtypes", "bfloat16", "--prompts", str(missing), "--threads", "1"])
+    assert ("no native bfloat16 matrix instructions" in capsys.readouterr().out) is noted
+    with pytest.raises(ValueError, match="--prompts"):
+        main(["bench", "--dtypes", "float32", "--prompts", str(missing), "--threads", "1"])
+    assert "bfloat16 matrix" not in capsys.readouterr().out
