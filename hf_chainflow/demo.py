@@ -9,6 +9,8 @@ Each prompt is generated greedily with the drafter (`generate(assistant_model=dr
 then plainly (same dtype, unprinted). The demo prints tau (tokens per target forward after the prefill, bonus
 included), the speedup (pooled plain time per token / pooled speculative time per token) and whether the outputs
 are identical. In bfloat16 an output may differ on a near-tie (see `hf_chainflow.bench`); float32 is exact.
+In bfloat16 on a CPU without bfloat16 matrix instructions (no AMX, no AVX-512 BF16) it first prints a note
+(`hardware_note`): there multi-token verification costs several plain steps and speculation is slower.
 """
 
 from __future__ import annotations
