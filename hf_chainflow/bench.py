@@ -358,6 +358,20 @@ def bf16_matrix_instructions() -> dict[str, bool]:
     return {"amx_tile": probe("_is_amx_tile_supported"), "avx512_bf16": probe("_is_avx512_bf16_supported")}
 
 
+def bf16_hardware_note(bf16_support: dict[str, bool], capability: str) -> str | None:
+    """The note printed before bfloat16 runs on a CPU without native bfloat16 matrix instructions, else `None`.
+
+    `bf16_support` is `bf16_matrix_instructions()`, `capability` torch's CPU capability string.
+    """
+    if any(bf16_support.values()):
+        return None
+    return (f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
+            f"{capability}). Here a bfloat16 forward over several tokens costs several single-token steps, so "
+            "speculative decoding in bfloat16 is expected to be slower than plain generation; in float32 the outputs "
+            "are exact and several tokens cost less in proportion (docs/results.md, \"A CPU without bfloat16 matrix "
+            "instructions\").")
+
+
 def machine_info() -> dict:
     """What the numbers were measured on."""
     import transformers
@@ -683,11 +697,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtypes = _parse_dtypes(args.dtypes)
     tree = _parse_tree(args.tree)
-    if "bfloat16" in dtypes and not any(bf16_matrix_instructions().values()):
-        print(f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
-              f"{torch.backends.cpu.get_cpu_capability()}): a bfloat16 forward over several tokens costs several "
-              "single-token steps here, so bfloat16 speculative arms are expected to be slow (docs/results.md, "
-              "\"A CPU without bfloat16 matrix instructions\").")
+    note = bf16_hardware_note(bf16_matrix_instructions(), torch.backends.cpu.get_cpu_capability())
+    if "bfloat16" in dtypes and note is not None:
+        print(note)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     default_arms = {"chain", "tree", "tree+lookup"}
     wants_default = not args.no_default_drafter and (only is None or bool(default_arms & set(only)))
@@ -732,6 +744,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["Arm", "BenchPrompt", "DEFAULT_TIE_TOLERANCE", "bf16_matrix_instructions", "build_arms",
-           "classify_divergence", "explain_mismatch", "first_divergence", "load_prompts", "markdown_table", "run_arm",
-           "run_bench", "stratified_selection", "tokenize_prompts", "write_results"]
+__all__ = ["Arm", "BenchPrompt", "DEFAULT_TIE_TOLERANCE", "bf16_hardware_note", "bf16_matrix_instructions",
+           "build_arms", "classify_divergence", "explain_mismatch", "first_divergence", "load_prompts",
+           "markdown_table", "run_arm", "run_bench", "stratified_selection", "tokenize_prompts", "write_results"]

@@ -10,7 +10,7 @@ then plainly (same dtype, unprinted). The demo prints tau (tokens per target for
 included), the speedup (pooled plain time per token / pooled speculative time per token) and whether the outputs
 are identical. In bfloat16 an output may differ on a near-tie (see `hf_chainflow.bench`); float32 is exact.
 In bfloat16 on a CPU without bfloat16 matrix instructions (no AMX, no AVX-512 BF16) it first prints a note
-(`hardware_note`): there multi-token verification costs several plain steps and speculation is slower.
+(`hf_chainflow.bench.bf16_hardware_note`): there multi-token verification costs several plain steps.
 """
 
 from __future__ import annotations
@@ -56,22 +56,6 @@ def describe_settings(g) -> str:
         else:
             text += f" + prompt-lookup branch of {k}"
     return text
-
-
-def hardware_note(dtype: str, bf16_support: dict[str, bool], capability: str) -> str | None:
-    """A note for bfloat16 runs on a CPU without native bfloat16 matrix instructions, else `None`.
-
-    `bf16_support` is `hf_chainflow.bench.bf16_matrix_instructions()`, `capability` torch's CPU capability string.
-    On such a CPU a bfloat16 forward over several tokens costs several single-token steps (docs/results.md,
-    "A CPU without bfloat16 matrix instructions"), so verification, which scores a draft in one forward, does not pay.
-    """
-    if dtype != "bfloat16" or any(bf16_support.values()):
-        return None
-    return (f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
-            f"{capability}). Here a bfloat16 forward over several tokens costs several single-token steps, so "
-            "speculative decoding is expected to be slower than plain generation in bfloat16; in `--dtype float32` "
-            "the outputs are exact and several tokens cost less in proportion (docs/results.md, \"A CPU without "
-            "bfloat16 matrix instructions\").")
 
 
 def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | None = None, lookup: bool | None = None,
@@ -160,7 +144,7 @@ def add_demo_parser(sub) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from . import ChainFlowDrafter
-    from .bench import bf16_matrix_instructions
+    from .bench import bf16_hardware_note, bf16_matrix_instructions
     from .checkpoints import default_drafter_path
     from .cli import load_model_and_tokenizer
 
@@ -169,9 +153,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = args.drafter_path or default_drafter_path()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    note = hardware_note(args.dtype, bf16_matrix_instructions(), torch.backends.cpu.get_cpu_capability())
-    if note is not None:
-        print(note)
+    if args.dtype == "bfloat16":
+        note = bf16_hardware_note(bf16_matrix_instructions(), torch.backends.cpu.get_cpu_capability())
+        if note is not None:
+            print(note)
     target, tokenizer = load_model_and_tokenizer(args.target, dtype)
     drafter = ChainFlowDrafter.from_pretrained(path, target=target, dtype=torch.float32).eval()
     run_demo(target, tokenizer, drafter, args.prompt or DEMO_PROMPTS, mode=args.mode,
@@ -179,4 +164,4 @@ def run_demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["DEMO_PROMPTS", "add_demo_parser", "hardware_note", "run_demo"]
+__all__ = ["DEMO_PROMPTS", "add_demo_parser", "run_demo"]

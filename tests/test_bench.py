@@ -323,19 +323,26 @@ def test_bench_command(saved, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
-def test_demo_command(saved, capsys):
+def test_demo_command(saved, capsys, monkeypatch):
+    import hf_chainflow.bench as bench
     from hf_chainflow.cli import main
 
+    # As on a CPU without bfloat16 matrix instructions: the note is for bfloat16 runs only.
+    monkeypatch.setattr(bench, "bf16_matrix_instructions", lambda: {"amx_tile": False, "avx512_bf16": False})
     assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
                  "float32", "--prompt", "Say hi.", "--max-new-tokens", "5", "--threads", "1"]) == 0
     text = capsys.readouterr().out
     assert "tau" in text and "speedup" in text and "identical to plain generation on 1/1 prompts" in text
     assert "drafting: chain of 3 + prompt-lookup branch of 3" in text  # the drafter's own settings by default
+    assert "bfloat16 matrix instructions" not in text
     assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
                  "float32", "--prompt", "Say hi.", "--max-new-tokens", "5", "--threads", "1", "--mode", "tree",
                  "--no-lookup"]) == 0
     text = capsys.readouterr().out
     assert "drafting: tree 3x2 cut to 4 nodes\n" in text and "identical to plain generation on 1/1 prompts" in text
+    assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
+                 "bfloat16", "--prompt", "Say hi.", "--max-new-tokens", "3", "--threads", "1"]) == 0
+    assert capsys.readouterr().out.startswith("note: this CPU has no native bfloat16 matrix instructions")
 
 
 def test_describe_settings_names_every_drafting_knob():
@@ -396,16 +403,13 @@ def test_bench_report_main_rewrites_a_saved_run(tmp_path):
     assert (tmp_path / "speedup_per_domain.png").is_file()
 
 
-def test_demo_hardware_note_only_for_bfloat16_without_native_instructions():
-    from hf_chainflow.bench import bf16_matrix_instructions
-    from hf_chainflow.demo import hardware_note
+def test_bf16_hardware_note_only_without_native_instructions():
+    from hf_chainflow.bench import bf16_hardware_note, bf16_matrix_instructions
 
-    none = {"amx_tile": False, "avx512_bf16": False}
-    note = hardware_note("bfloat16", none, "AVX2")
-    assert note is not None and "AVX2" in note and "--dtype float32" in note
-    assert hardware_note("float32", none, "AVX2") is None
-    assert hardware_note("bfloat16", {"amx_tile": True, "avx512_bf16": False}, "AVX512") is None
-    assert hardware_note("bfloat16", {"amx_tile": False, "avx512_bf16": True}, "AVX512") is None
+    note = bf16_hardware_note({"amx_tile": False, "avx512_bf16": False}, "AVX2")
+    assert note is not None and "AVX2" in note and "float32" in note
+    assert bf16_hardware_note({"amx_tile": True, "avx512_bf16": False}, "AVX512") is None
+    assert bf16_hardware_note({"amx_tile": False, "avx512_bf16": True}, "AVX512") is None
     support = bf16_matrix_instructions()
     assert set(support) == {"amx_tile", "avx512_bf16"} and all(isinstance(v, bool) for v in support.values())
 
