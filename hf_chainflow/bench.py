@@ -343,28 +343,30 @@ def _speed(runs: list[Run]) -> float:
     return sum(r.new_tokens for r in runs) / seconds if seconds > 0 else 0.0
 
 
-def bf16_matrix_instructions() -> dict[str, bool]:
-    """Whether this CPU has native bfloat16 matrix instructions (AMX tiles, AVX-512 BF16), as torch detects them.
+def bf16_matrix_instructions() -> dict[str, bool | None]:
+    """Whether this CPU has native bfloat16 matrix instructions (AMX tiles, AVX-512 BF16), as torch detects them;
+    `None` where this torch has no probe for one.
 
     Without either, a bfloat16 forward over several tokens is far dearer than over one (measured on an AVX2-only
     CPU: 13 tokens cost 4.6 single-token steps; with AMX, 1.2), which is what speculative verification pays for.
     """
-    cpu = getattr(torch, "cpu", None)
 
-    def probe(name: str) -> bool:
-        fn = getattr(cpu, name, None)
-        return bool(fn()) if callable(fn) else False
+    def probe(name: str) -> bool | None:
+        fn = getattr(torch.cpu, name, None)
+        return bool(fn()) if callable(fn) else None
 
     return {"amx_tile": probe("_is_amx_tile_supported"), "avx512_bf16": probe("_is_avx512_bf16_supported")}
 
 
-def bf16_hardware_note(bf16_support: dict[str, bool], capability: str) -> str | None:
-    """The note printed before bfloat16 runs on a CPU without native bfloat16 matrix instructions, else `None`.
-
-    `bf16_support` is `bf16_matrix_instructions()`, `capability` torch's CPU capability string.
+def bf16_hardware_note(bf16_support: dict[str, bool | None] | None = None,
+                       capability: str | None = None) -> str | None:
+    """The note printed before bfloat16 runs on a CPU known to lack native bfloat16 matrix instructions, else `None`
+    (also when torch cannot tell). Defaults: `bf16_matrix_instructions()` and torch's CPU capability string.
     """
-    if any(bf16_support.values()):
+    bf16_support = bf16_matrix_instructions() if bf16_support is None else bf16_support
+    if any(v is not False for v in bf16_support.values()):
         return None
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     return (f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
             f"{capability}). Here a bfloat16 forward over several tokens costs several single-token steps, so "
             "speculative decoding in bfloat16 is expected to be slower than plain generation; in float32 the outputs "
@@ -697,8 +699,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtypes = _parse_dtypes(args.dtypes)
     tree = _parse_tree(args.tree)
-    note = bf16_hardware_note(bf16_matrix_instructions(), torch.backends.cpu.get_cpu_capability())
-    if "bfloat16" in dtypes and note is not None:
+    note = bf16_hardware_note() if "bfloat16" in dtypes else None
+    if note is not None:
         print(note)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     default_arms = {"chain", "tree", "tree+lookup"}

@@ -144,7 +144,7 @@ def add_demo_parser(sub) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from . import ChainFlowDrafter
-    from .bench import bf16_hardware_note, bf16_matrix_instructions
+    from .bench import bf16_hardware_note
     from .checkpoints import default_drafter_path
     from .cli import load_model_and_tokenizer
 
@@ -153,10 +153,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = args.drafter_path or default_drafter_path()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    if args.dtype == "bfloat16":
-        note = bf16_hardware_note(bf16_matrix_instructions(), torch.backends.cpu.get_cpu_capability())
-        if note is not None:
-            print(note)
+    note = bf16_hardware_note() if args.dtype == "bfloat16" else None
+    if note is not None:
+        print(note)
     target, tokenizer = load_model_and_tokenizer(args.target, dtype)
     drafter = ChainFlowDrafter.from_pretrained(path, target=target, dtype=torch.float32).eval()
     run_demo(target, tokenizer, drafter, args.prompt or DEMO_PROMPTS, mode=args.mode,

@@ -410,8 +410,10 @@ def test_bf16_hardware_note_only_without_native_instructions():
     assert note is not None and "AVX2" in note and "float32" in note
     assert bf16_hardware_note({"amx_tile": True, "avx512_bf16": False}, "AVX512") is None
     assert bf16_hardware_note({"amx_tile": False, "avx512_bf16": True}, "AVX512") is None
-    support = bf16_matrix_instructions()
+    assert bf16_hardware_note({"amx_tile": False, "avx512_bf16": None}, "AVX2") is None  # unknown: no claim
+    support = bf16_matrix_instructions()  # torch 2.13 has both probes
     assert set(support) == {"amx_tile", "avx512_bf16"} and all(isinstance(v, bool) for v in support.values())
+    assert (bf16_hardware_note() is None) == any(support.values())
 
 
 @pytest.mark.parametrize("support, noted", [(False, True), (True, False)])
