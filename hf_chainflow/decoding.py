@@ -10,7 +10,8 @@ transformers prepares inputs, the cache, logits processors and stopping criteria
     1. prefill      the prompt in one forward -> first token (the root of round 1), committed states
     2. draft        one drafter pass -> a chain or a tree (+ an optional prompt-lookup branch)
     3. verify       one target forward over [root] + draft nodes (ancestor mask, depth positions)
-    4. accept       greedy path matching / speculative rejection sampling on processed logits
+    4. accept       greedy path matching / rejection sampling on processed logits: a sampled chain against its
+                    draft distribution q, any other draft (a tree, a lookup branch) child by child as fixed proposals
     5. emit         accepted tokens + the target's bonus token, one at a time through the stopping criteria
     6. compact      the cache keeps the committed prefix + accepted path; hybrid states of the last accepted node
 
@@ -29,7 +30,7 @@ from .integration import draft_settings, needs_own_loop, validate_speculative_ca
 from .lookup import next_lookup_length, prompt_lookup
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import Acceptance, accept_greedy, accept_sampling, commit, verify_forward
+from .verification import Acceptance, accept_greedy, accept_sampling, accept_sampling_tree, commit, verify_forward
 
 
 def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
@@ -96,6 +97,9 @@ def speculative_generate(
     settings = draft_settings(drafter)
     do_sample = bool(generation_config.do_sample)
     temperature = float(generation_config.temperature or 1.0) if do_sample else 1.0
+    # Sampling draws the draft from q only for a plain chain (accepted with min(1, p/q)); trees and lookup branches
+    # are drafted greedily and accepted child by child (`accept_sampling_tree`), which needs no q.
+    sample_drafts = do_sample and settings["mode"] == "chain" and settings["lookup_num_tokens"] is None
     max_length = generation_config.max_length
     context_size = drafter.context_size
     stats = SpeculativeStats(mode=settings["mode"], loop="chainflow")
@@ -146,7 +150,7 @@ def speculative_generate(
                 states, ids, mode=settings["mode"], num_tokens=min(settings["num_tokens"], room),
                 tree_width=settings["tree_width"], tree_depth=min(settings["tree_depth"], room),
                 tree_budget=settings["tree_budget"],
-                num_flow_steps=settings["num_flow_steps"], do_sample=do_sample, temperature=temperature,
+                num_flow_steps=settings["num_flow_steps"], do_sample=sample_drafts, temperature=temperature,
             )
             if lookup is not None:
                 tree = tree.with_chain(lookup)
@@ -164,7 +168,8 @@ def speculative_generate(
 
         # 4. Accept.
         if do_sample and tree.num_nodes:
-            acc = accept_sampling(tree, torch.softmax(rows, -1))
+            probs = torch.softmax(rows, -1)  # (n, V)
+            acc = accept_sampling(tree, probs) if tree.draft_probs is not None else accept_sampling_tree(tree, probs)
         elif do_sample:
             acc = Acceptance([], choose(rows[0]))
         else:

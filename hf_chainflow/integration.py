@@ -87,7 +87,7 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
                               own_loop: bool) -> None:
     """Every check of a ChainFlow `generate` call, before anything runs. Raises `ValueError`."""
     drafter.check_target(model)
-    settings = draft_settings(drafter)
+    draft_settings(drafter)  # checks every drafting field of `drafter.generation_config`
     if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(
             f"ChainFlow speculative generation supports batch size 1 (as transformers' assisted decoding does), "
@@ -118,17 +118,6 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
         raise ValueError(
             f"A ChainFlow drafter needs a `DynamicCache`, got {type(cache).__name__}. Pass no cache, or a "
             f"`DynamicCache`."
-        )
-    if settings["lookup_num_tokens"] is not None and generation_config.do_sample:
-        raise ValueError(
-            f"Prompt-lookup branches (`drafter.generation_config.lookup_num_tokens={settings['lookup_num_tokens']}`) "
-            f"are greedy-only (they carry no draft distribution): set `do_sample=False`, or "
-            f"`drafter.generation_config.lookup_num_tokens = None` to sample."
-        )
-    if settings["mode"] == "tree" and generation_config.do_sample:
-        raise ValueError(
-            "Tree drafting is greedy-only (a lossless multi-draft sampling scheme is not implemented): set "
-            "`do_sample=False`, or `drafter.generation_config.draft_mode = 'chain'` to sample."
         )
     attn = model.config._attn_implementation
     if own_loop and attn not in _SUPPORTED_ATTN:

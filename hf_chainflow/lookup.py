@@ -14,7 +14,8 @@ by one twice as long, up to `m`, and one accepted in part by one as long as what
 copies (a retrieved passage, a repeated code block) then take fewer rounds. Merged branches keep `k` tokens, so
 the tree's verify stays narrow.
 
-Verification is unchanged (one forward, greedy path matching), so the output stays exactly plain greedy decoding.
+Verification is unchanged (one forward, greedy path matching), so the output stays exactly plain greedy decoding;
+with `do_sample=True` the branch is accepted child by child as a fixed proposal (`accept_sampling_tree`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One round, given a target whose cache holds the committed prefix (`past_len` tok
 `root` (the target's own "bonus" token, not yet in the cache), and a `DraftTree` of `N` nodes:
 
     out = verify_forward(target, cache, root, tree)          # one forward over [root] + nodes; cache grows by N+1
-    acc = accept_greedy(tree, out.logits)                     # or accept_sampling(tree, probs) for chains
+    acc = accept_greedy(tree, out.logits)                     # sampling: accept_sampling / accept_sampling_tree
     commit(target, cache, past_len, acc.nodes, out.handle)    # cache = prefix + root + accepted nodes
     root = acc.bonus                                          # next root; emitted: tree.tokens[acc.nodes] + [bonus]
 
@@ -24,7 +24,11 @@ Public API
 - `accept_sampling(tree, target_probs) -> Acceptance(nodes, bonus)`: speculative rejection sampling for CHAINS
   (accept with min(1, p/q), else resample from norm(max(0, p - q)); bonus from p after a full accept).
   `target_probs` is `(n, V)` processed probabilities or a callable `i -> (V,)` (called lazily, in order).
-  Randomness: `torch.rand` / `torch.multinomial` on the default generator (seed with `torch.manual_seed`).
+- `accept_sampling_tree(tree, target_probs) -> Acceptance(nodes, bonus)`: lossless sampling over ANY tree (top-k
+  drafts, prompt-lookup branches): at each input the children are tried in order as fixed proposals, child `x`
+  accepted with probability `p[x] / sum(p)`, a rejected child's token removed from `p`; the bonus is drawn from
+  what is left. Needs no draft distribution.
+  Randomness (both): `torch.rand` / `torch.multinomial` on the default generator (seed with `torch.manual_seed`).
 - `commit(target, cache, past_len, accepted, handle) -> None`: cache := prefix + root + accepted nodes. Attention
   KV is gathered on the sequence dim; GDN conv window / recurrent state become those after the last accepted node
   (copied in place). Call it right after `verify_forward`, before any other forward on the cache.
@@ -66,6 +70,7 @@ __all__ = [
     "verify_forward",
     "accept_greedy",
     "accept_sampling",
+    "accept_sampling_tree",
     "commit",
 ]
 
@@ -338,7 +343,7 @@ def accept_sampling(
     if not tree.is_chain:
         raise ValueError(
             "`accept_sampling` implements rejection sampling for chains only (parents [-1, 0, 1, ...]); got a "
-            "branching tree. Use `accept_greedy` for trees, or draft a chain in sampling mode."
+            "branching tree. Use `accept_sampling_tree` (or `accept_greedy`) for trees."
         )
     q_all = tree.draft_probs
     if q_all is None:
@@ -348,15 +353,7 @@ def accept_sampling(
         raise ValueError(
             f"`tree.draft_probs` must have shape (num_nodes, V) = ({n_nodes}, V), got {tuple(q_all.shape)}."
         )
-    if callable(target_probs):
-        probs_at = target_probs
-    else:
-        if target_probs.ndim != 2 or target_probs.shape[0] != n_nodes + 1:
-            raise ValueError(
-                f"`target_probs` must have shape (num_nodes + 1, V) = ({n_nodes + 1}, V), got "
-                f"{tuple(target_probs.shape)}."
-            )
-        probs_at = target_probs.__getitem__
+    probs_at = _probs_at(target_probs, n_nodes)
 
     tokens = tree.tokens.tolist()
     accepted: list[int] = []
@@ -379,6 +376,60 @@ def accept_sampling(
         return Acceptance(accepted, int(torch.multinomial(dist, 1)))
     p = probs_at(n_nodes).float()
     return Acceptance(accepted, int(torch.multinomial(p, 1)))
+
+
+def accept_sampling_tree(
+    tree: DraftTree, target_probs: torch.Tensor | Callable[[int], torch.Tensor]
+) -> Acceptance:
+    """Lossless sampling over any tree: each node's token is tried as a fixed proposal (recursive rejection).
+
+    Walk from the root. At input `r` (row 0 = root, row `i + 1` = node `i`) keep a residual `p`, first the target's
+    processed distribution `p_r`, and try the children of `r` in order: child `c` (token `x`) is accepted with
+    probability `p[x] / sum(p)`; on rejection `p[x] = 0` and the next child is tried. After an accepted child the
+    walk goes on from it; when every child is rejected, or `r` has none, the bonus is drawn from `p / sum(p)`.
+
+    Why the output is the target's: at each input the emitted token is `x_1` with probability `p_r[x_1]`, else
+    (probability `1 - p_r[x_1]`) a draw from `p_r` without `x_1`, and so on, which is exactly one draw from `p_r`.
+    This holds for any choice of the children's tokens made before the target's coins are tossed, so it covers
+    top-k tree drafts and prompt-lookup branches, which carry no draft distribution. At each input a child is
+    accepted with probability `sum_c p_r[x_c]`: the target's mass that the children cover.
+
+    Args:
+        tree: any `DraftTree` (`draft_probs` is not read).
+        target_probs: `(N + 1, V)` probabilities after the logits processors / temperature, or a callable
+            `i -> (V,)` returning them for input `i` (called only for the inputs the walk reaches).
+    """
+    probs_at = _probs_at(target_probs, tree.num_nodes)
+    tokens = tree.tokens.tolist()
+    children = _children(tree.parents.tolist())
+    accepted: list[int] = []
+    node, row = -1, 0
+    while True:
+        residual = probs_at(row).float().clone()  # (V,)
+        match = None
+        for c in children.get(node, ()):
+            mass = residual[tokens[c]]
+            if mass > 0 and torch.rand((), device=residual.device) * residual.sum() < mass:
+                match = c
+                break
+            residual[tokens[c]] = 0  # rejected (or impossible): the draw continues from the rest
+        if match is None:  # the residual keeps mass: a rejected child never held all of it (u < 1)
+            return Acceptance(accepted, int(torch.multinomial(residual, 1)))
+        accepted.append(match)
+        node, row = match, match + 1
+
+
+def _probs_at(target_probs: torch.Tensor | Callable[[int], torch.Tensor],
+              n_nodes: int) -> Callable[[int], torch.Tensor]:
+    """`target_probs` as a callable `row -> (V,)`, shape-checked when it is a tensor `(n_nodes + 1, V)`."""
+    if callable(target_probs):
+        return target_probs
+    if target_probs.ndim != 2 or target_probs.shape[0] != n_nodes + 1:
+        raise ValueError(
+            f"`target_probs` must have shape (num_nodes + 1, V) = ({n_nodes + 1}, V), got "
+            f"{tuple(target_probs.shape)}."
+        )
+    return target_probs.__getitem__
 
 
 # --------------------------------------------------------------------------------------------------------------

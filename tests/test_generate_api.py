@@ -136,8 +136,14 @@ def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
     return joint / joint.sum()
 
 
-@pytest.mark.parametrize("family,drafter_kind", [("llama", "chainflow"), ("qwen3_5", "oracle")])
-def test_sampling_keeps_target_distribution(family, drafter_kind):
+@pytest.mark.parametrize("family,drafter_kind,mode,lookup", [
+    ("llama", "chainflow", "chain", None),   # transformers' loop: q-sampled chain, min(1, p/q)
+    ("qwen3_5", "oracle", "chain", None),    # own loop (hybrid): the same rule
+    ("llama", "chainflow", "tree", None),    # own loop: greedy tree, children tried as fixed proposals
+    ("qwen3", "chainflow", "tree", 3),       # ... plus a prompt-lookup branch
+    ("qwen3_5", "oracle", "tree", 3),        # ... on the hybrid target
+])
+def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup):
     vocab = 12
     target = tiny_target(family, vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)
     with torch.no_grad():
@@ -146,19 +152,22 @@ def test_sampling_keeps_target_distribution(family, drafter_kind):
         drafter = OracleDrafter(target, error_rate=0.5, seed=1)
     else:
         drafter = drafter_for(target, candidate_budget=8)
-    drafter.generation_config.num_assistant_tokens = 2
-    prompt = torch.tensor([[3, 7, 5, 9]])
+    g = drafter.generation_config
+    g.num_assistant_tokens, g.draft_mode, g.lookup_num_tokens = 2, mode, lookup
+    g.tree_width, g.tree_depth, g.tree_budget = 3, 2, 4
+    prompt = torch.tensor([[3, 7, 5, 9, 3, 7]])  # "... 3 7" repeats: the lookup finds "5 9 ..."
     temperature, top_p = 0.8, 0.9
     exact = exact_pair_distribution(target, prompt, temperature, top_p, vocab)
     n = 1200
     torch.manual_seed(0)
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    accepted = 0
+    accepted = lookup_rounds = 0
     for _ in range(n):
         out = target.generate(prompt, max_new_tokens=3, do_sample=True, temperature=temperature, top_p=top_p,
                               top_k=0, assistant_model=drafter, eos_token_id=None, pad_token_id=0)
         counts[out[0, -2], out[0, -1]] += 1
         accepted += sum(drafter.last_stats.accepted)
+        lookup_rounds += drafter.last_stats.lookup_rounds
     empirical = counts / n
     tv = 0.5 * (empirical - exact).abs().sum().item()
     # Null: the TV of n exact samples from `exact`, over 30 simulated draws; tolerance = 1.5x its maximum.
@@ -169,6 +178,7 @@ def test_sampling_keeps_target_distribution(family, drafter_kind):
         emp = torch.bincount(draw, minlength=vocab * vocab).double() / n
         null.append(0.5 * (emp - exact.reshape(-1)).abs().sum().item())
     assert accepted > 0, "no draft token was ever accepted: the test would not exercise rejection sampling"
+    assert (lookup_rounds > 0) == (lookup is not None)
     assert tv < 1.5 * max(null), (tv, max(null))
 
 
@@ -180,7 +190,7 @@ def test_bad_inputs_raise_clear_errors(llama):
         (dict(num_beams=2), "num_beams"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(cache_implementation="static"), "cache_implementation"),
-        (dict(do_sample=True, _tree=True), "greedy-only"),
+        (dict(num_beams=2, _tree=True), "num_beams"),
     ]
     for kwargs, needle in cases:
         tree = kwargs.pop("_tree", False)

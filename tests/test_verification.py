@@ -13,6 +13,7 @@ from hf_chainflow.verification import (
     Acceptance,
     accept_greedy,
     accept_sampling,
+    accept_sampling_tree,
     ancestor_mask,
     build_verify_inputs,
     commit,
@@ -271,6 +272,78 @@ def test_rejection_sampling_edge_cases():
         accept_sampling(DraftTree.chain(torch.tensor([2])), P[:2])
     with pytest.raises(ValueError, match="chains only"):
         accept_sampling(make_tree(), P)
+
+
+def _sampling_tree() -> tuple[DraftTree, torch.Tensor]:
+    """A branching tree over 6 tokens with a repeated sibling, and a target distribution per input `(N + 1, 6)`.
+
+    root -> {2: node 0, 4: node 1, 2: node 2 (repeat)}; node 0 -> {1: node 3, 3: node 4}; node 1 -> {5: node 5};
+    node 3 -> {0: node 6}. Each input's row is different, so a walk that reads the wrong row shows."""
+    parents = [-1, -1, -1, 0, 0, 1, 3]
+    tokens = [2, 4, 2, 1, 3, 5, 0]
+    depths = [1, 1, 1, 2, 2, 2, 3]
+    tree = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
+                     logprobs=torch.zeros(7))
+    probs = torch.tensor([[0.20, 0.05, 0.35, 0.10, 0.20, 0.10],   # root
+                          [0.10, 0.50, 0.05, 0.20, 0.05, 0.10],   # after node 0 (token 2)
+                          [0.20, 0.10, 0.10, 0.10, 0.00, 0.50],   # after node 1 (token 4)
+                          [1 / 6] * 6,                              # after node 2 (never reached: a repeat)
+                          [0.50, 0.10, 0.10, 0.10, 0.10, 0.10],   # after node 3
+                          [0.05, 0.05, 0.05, 0.05, 0.05, 0.75],   # after node 4
+                          [0.10, 0.20, 0.30, 0.40, 0.00, 0.00],   # after node 5
+                          [0.00, 0.00, 0.00, 0.00, 0.50, 0.50]])  # after node 6
+    return tree, probs
+
+
+def test_tree_sampling_emits_target_distribution():
+    """Fixed proposals, tried child by child: at every input the next emitted token follows that input's row of p
+    (TV < 0.04 at >= 1,000 samples each; sampling noise alone gives ~0.02), and a child is accepted with the
+    probability of the target's mass the children cover."""
+    torch.manual_seed(0)
+    tree, probs = _sampling_tree()
+    tokens = tree.tokens.tolist()
+    rows = {-1: 0, 0: 1, 1: 2, 3: 4}  # inputs checked: root, node 0, node 1, node 3
+    after: dict[int, list[int]] = {r: [] for r in rows}
+    accepted_at_root = 0
+    trials = 8000
+    for _ in range(trials):
+        nodes, bonus = accept_sampling_tree(tree, probs)
+        assert nodes == [] or tree.parents[nodes[0]] == -1
+        assert all(tree.parents[b] == a for a, b in zip(nodes, nodes[1:]))  # a root-to-node path
+        assert 2 not in nodes  # the repeated sibling is never taken: its token's mass went with node 0
+        emitted = [tokens[i] for i in nodes] + [bonus]
+        accepted_at_root += bool(nodes)
+        for k, node in enumerate([-1] + nodes):
+            if node in after:
+                after[node].append(emitted[k])
+    for node, samples in after.items():
+        assert len(samples) >= 1000, (node, len(samples))
+        assert _tv(samples, probs[rows[node]]) < 0.04, node
+    # covered mass at the root: tokens 2 and 4 -> 0.35 + 0.20
+    assert abs(accepted_at_root / trials - 0.55) < 0.03
+
+
+def test_tree_sampling_needs_no_draft_distribution_and_reads_rows_lazily():
+    torch.manual_seed(0)
+    tree, probs = _sampling_tree()
+    calls = []
+
+    def lazy(i):
+        calls.append(i)
+        return probs[i]
+
+    for _ in range(200):
+        calls.clear()
+        nodes, _ = accept_sampling_tree(tree, lazy)
+        assert calls == [0] + [i + 1 for i in nodes]  # only the inputs the walk reaches, in order
+    certain = probs.clone()
+    certain[0] = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])  # the target must emit 4: node 1, always
+    certain[2] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])  # then 5: node 5
+    assert all(accept_sampling_tree(tree, certain).nodes == [1, 5] for _ in range(50))
+    chain = DraftTree.chain(torch.tensor([4, 5]))  # a lookup branch: no draft_probs
+    assert accept_sampling_tree(chain, certain[[0, 2, 6]]).nodes == [0, 1]
+    with pytest.raises(ValueError, match=r"shape \(num_nodes \+ 1, V\) = \(8, V\)"):
+        accept_sampling_tree(tree, probs[:3])
 
 
 # ----------------------------------------------------------------------------------------------------------------
