@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from .bench_journal import JOURNAL_NAME, BenchJournal, journal_header, run_from_dict, weights_digest
+from .bench_journal import JOURNAL_NAME, BenchJournal, config_digest, journal_header, run_from_dict, weights_digest
 from .bench_report import markdown_table, same_length_summary, write_results
 from .lookup import lookup_settings
 from .stats import SpeculativeStats
@@ -732,6 +732,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     gen = models[dtypes[0]].generation_config
     settings = {"target": args.target, "drafters": paths, "drafter_weights_sha256": {
                     name: weights_digest(d[dtypes[0]]) for name, d in drafters.items()},
+                "drafter_config_sha256": {name: config_digest(d[dtypes[0]]) for name, d in drafters.items()},
                 "drafter_dtype": args.drafter_dtype, "dtypes": dtypes,
                 "prompts": str(args.prompts or default_prompts_path()), "limit": args.limit,
                 "pld_tokens": args.pld_tokens, "threads": torch.get_num_threads()}

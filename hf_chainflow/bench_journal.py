@@ -12,13 +12,15 @@ Lines (`"type"` tells them apart):
     {"type": "part", "part": k, "machine": {...}, "started": t}     each invocation that ran prompts
     {"type": "prompt", "part": k, "id": ..., "wall": s, "record": {...}, "runs": {ARM: run}, "details": {ARM: d}}
 
-A prompt interrupted half-way leaves no line and runs again on resume.
+A prompt interrupted half-way leaves no line and runs again on resume; so does one whose line a kill cut short
+(an unparsable last line is dropped, with a warning, and the file truncated before it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -27,6 +29,8 @@ from pathlib import Path
 import torch
 
 from .stats import SpeculativeStats
+
+logger = logging.getLogger(__name__)
 
 JOURNAL_NAME = "runs.jsonl"
 
@@ -55,8 +59,22 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
+def config_digest(model) -> str:
+    """Short SHA-256 of a model's `config` and `generation_config`, so a resumed run cannot mix drafters with the same
+    weights that draft differently (`candidate_budget`, `serving_head_dtype`, `num_flow_steps`...).
+
+    Each counts by its fields that differ from their defaults (`to_diff_dict`, paths and library version aside): a
+    transformers release that adds a field with a default does not change it.
+    """
+    skip = ("_name_or_path", "transformers_version", "_from_model_config")
+    dicts = {name: {k: v for k, v in getattr(model, name).to_diff_dict().items() if k not in skip}
+             for name in ("config", "generation_config")}
+    return hashlib.sha256(json.dumps(dicts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 # Settings that are paths: they may differ between parts (another checkout, another cache directory), so the journal
-# checks what they point to instead, the drafters by `drafter_weights_sha256` and the prompts by their token ids.
+# checks what they point to instead, the drafters by `drafter_weights_sha256` and `drafter_config_sha256` and the
+# prompts by their token ids.
 PATH_SETTINGS = ("drafters", "prompts")
 
 
@@ -100,15 +118,43 @@ class BenchJournal:
         if not self.path.is_file():
             raise ValueError(f"`--resume` found no journal at {str(self.path)!r}: run the bench once without "
                              "`--resume` (with the same `--output-dir`) to start one.")
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        raw = self.path.read_bytes().splitlines(keepends=True)
+        lines, keep = [], 0  # the parsed lines, and the bytes they span
+        for number, line in enumerate(raw, 1):
+            try:
+                if line.strip():
+                    lines.append(json.loads(line))
+            except ValueError as err:
+                if any(rest.strip() for rest in raw[number:]):
+                    raise ValueError(f"{str(self.path)!r} line {number} is not valid JSON ({err}); only the last "
+                                     "line can be cut short by a killed run. Repair or delete that line, or start "
+                                     "anew without `--resume`.") from None
+                break
+            keep += len(line)
         if not lines or lines[0].get("type") != "header":
             raise ValueError(f"{str(self.path)!r} is not a bench journal (its first line is not a header); "
                              "choose another `--output-dir` or start anew without `--resume`.")
-        changed = _differences(lines[0], self.header)
+        expected = self.header
+        if "drafter_config_sha256" not in lines[0].get("settings", {}):
+            # A journal from before drafter configs were recorded (the committed 320-prompt run among them): its
+            # drafters are still checked by their weights; their configs cannot be, which is said, not hidden.
+            expected = json.loads(json.dumps(self.header))
+            expected["settings"].pop("drafter_config_sha256", None)
+            logger.warning(f"{str(self.path)!r} predates `drafter_config_sha256`: the drafters are checked by their "
+                           "weights only; make sure their config.json and generation_config.json are unchanged.")
+        changed = _differences(lines[0], expected)
         if changed:
             raise ValueError(f"`--resume`: this run's settings differ from the journal at {str(self.path)!r} in "
                              f"{changed}. A resumed run must repeat the same command; start anew without "
                              "`--resume` or choose another `--output-dir`.")
+        if keep < sum(map(len, raw)):  # a last line cut short: drop it, so that the next append starts a line
+            logger.warning(f"{str(self.path)!r}: dropping its last line, cut short by an interrupted write (a prompt "
+                           "it held runs again).")
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+        elif not raw[-1].endswith(b"\n"):  # complete but for its newline
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
         for line in lines[1:]:
             if line["type"] == "part":
                 self.parts = max(self.parts, int(line["part"]) + 1)
@@ -141,5 +187,5 @@ class BenchJournal:
         self.done[prompt_id] = json.loads(json.dumps(line))
 
 
-__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "journal_header", "run_from_dict", "run_to_dict",
-           "weights_digest"]
+__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "config_digest", "journal_header", "run_from_dict",
+           "run_to_dict", "weights_digest"]

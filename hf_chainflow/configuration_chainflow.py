@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
@@ -47,7 +49,7 @@ class ChainFlowConfig(PreTrainedConfig):
     path_order (`int`): number `p` of parent tokens the path head reads.
     path_hidden_size (`int`): width of the path head.
     markov_rank (`int`): rank of the factorised first-order transition bias.
-    shortlist (`list[int]`, *optional*): vocabulary shortlist (tokens seen in the training responses).
+    shortlist (`list[int]`, *optional*): vocabulary shortlist (tokens seen in the training responses), distinct ids.
     candidate_budget (`int`): `M`, candidate ids kept by the two-pass head (shared across positions).
     tree_branching (`int`): `b`, children expanded per kept node during tree search.
     serving_head_dtype (`str`): dtype of the candidate-head products while drafting, `"bfloat16"` (default) or
@@ -149,6 +151,12 @@ class ChainFlowConfig(PreTrainedConfig):
             if bad:
                 raise ValueError(
                     f"`shortlist` ids must lie in [0, vocab_size={self.vocab_size}), got e.g. {bad[:5]}."
+                )
+            duplicated = sorted(t for t, n in Counter(self.shortlist).items() if n > 1)
+            if duplicated:
+                raise ValueError(
+                    f"`shortlist` ids must be distinct (each is one row of the draft vocabulary), got "
+                    f"{duplicated[:5]} more than once. Pass `sorted(set(shortlist))`."
                 )
         if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
             raise ValueError(f"`pad_token_id` must lie in [0, {self.vocab_size}), got {self.pad_token_id}.")

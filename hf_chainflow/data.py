@@ -409,45 +409,51 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     done = sum(len(rows[s * shard_size:(s + 1) * shard_size]) for s in finished)
     bar = tqdm(total=len(rows), initial=done, desc="prepare (sequences)", unit="seq", disable=not progress,
                dynamic_ncols=True)
-    for shard in todo:
-        start = time.perf_counter()
-        part = rows[shard * shard_size:(shard + 1) * shard_size]
-        need = [r for r in part if "response_ids" not in r]
-        generated_file = out_dir / "responses" / f"shard-{shard:05d}.jsonl"
-        if need and generated_file.is_file():  # generated before a kill, shard not yet written: reuse
-            earlier = load_responses(generated_file)
-            if all(r["id"] in earlier for r in need):
-                for r in need:
-                    r["response_ids"], r["finish"] = list(earlier[r["id"]]["response_ids"]), earlier[r["id"]]["finish"]
-                need = []
-        if need:
-            if gen_model is None:
-                gen_model = model if model.dtype == generation_dtype else copy.deepcopy(model).to(generation_dtype)
-            bar.set_postfix_str(f"shard {shard}: generating {len(need)}")
-            outs = generate_responses(gen_model.eval(), [r["prompt_ids"] for r in need], eos_token_ids=eos,
-                                      pad_token_id=pad, batch_size=batch_size, max_new_tokens=max_new_tokens)
-            for r, (resp, finish) in zip(need, outs):
-                r["response_ids"], r["finish"] = resp, finish
-            generated_file.parent.mkdir(exist_ok=True)
-            _atomic_write_text(generated_file, "".join(
-                json.dumps({k: r[k] for k in ("id", "domain", "language", "source", "prompt_ids", "response_ids",
-                                              "finish")}) + "\n" for r in need))
-        bar.set_postfix_str(f"shard {shard}: hidden states")
-        hidden = final_hidden_states(hidden_model.eval(), [r["prompt_ids"] + r["response_ids"] for r in part],
-                                     pad_token_id=pad, max_batch_tokens=max_batch_tokens)
-        _write_shard(out_dir, shard, part, hidden, prompt_tail)
-        manifest["finished"] = sorted(set(manifest["finished"]) | {shard})
-        _write_index_and_shortlist(out_dir, manifest)
-        _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
-        elapsed = time.perf_counter() - start
-        states = sum(min(prompt_tail, len(r["prompt_ids"])) + len(r["response_ids"]) for r in part)
-        forwarded = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in part)
-        bar.update(len(part))
-        bar.write(f"shard {shard} done: {len(part)} seqs, {len(need)} generated, {states} stored states, "
-                  f"{forwarded} tokens forwarded, {elapsed:.1f} s, {states / elapsed:.1f} stored states/s, "
-                  f"{forwarded / elapsed:.1f} tokens/s; {len(manifest['finished'])}/{manifest['num_shards']} shards")
-        if on_shard_done is not None:
-            on_shard_done(shard)
+    was_training = model.training  # the passes below run in eval mode; the caller's flag comes back
+    try:
+        for shard in todo:
+            start = time.perf_counter()
+            part = rows[shard * shard_size:(shard + 1) * shard_size]
+            need = [r for r in part if "response_ids" not in r]
+            generated_file = out_dir / "responses" / f"shard-{shard:05d}.jsonl"
+            if need and generated_file.is_file():  # generated before a kill, shard not yet written: reuse
+                earlier = load_responses(generated_file)
+                if all(r["id"] in earlier for r in need):
+                    for r in need:
+                        r["response_ids"] = list(earlier[r["id"]]["response_ids"])
+                        r["finish"] = earlier[r["id"]]["finish"]
+                    need = []
+            if need:
+                if gen_model is None:
+                    gen_model = model if model.dtype == generation_dtype else copy.deepcopy(model).to(generation_dtype)
+                bar.set_postfix_str(f"shard {shard}: generating {len(need)}")
+                outs = generate_responses(gen_model.eval(), [r["prompt_ids"] for r in need], eos_token_ids=eos,
+                                          pad_token_id=pad, batch_size=batch_size, max_new_tokens=max_new_tokens)
+                for r, (resp, finish) in zip(need, outs):
+                    r["response_ids"], r["finish"] = resp, finish
+                generated_file.parent.mkdir(exist_ok=True)
+                _atomic_write_text(generated_file, "".join(
+                    json.dumps({k: r[k] for k in ("id", "domain", "language", "source", "prompt_ids", "response_ids",
+                                                  "finish")}) + "\n" for r in need))
+            bar.set_postfix_str(f"shard {shard}: hidden states")
+            hidden = final_hidden_states(hidden_model.eval(), [r["prompt_ids"] + r["response_ids"] for r in part],
+                                         pad_token_id=pad, max_batch_tokens=max_batch_tokens)
+            _write_shard(out_dir, shard, part, hidden, prompt_tail)
+            manifest["finished"] = sorted(set(manifest["finished"]) | {shard})
+            _write_index_and_shortlist(out_dir, manifest)
+            _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
+            elapsed = time.perf_counter() - start
+            states = sum(min(prompt_tail, len(r["prompt_ids"])) + len(r["response_ids"]) for r in part)
+            forwarded = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in part)
+            bar.update(len(part))
+            bar.write(f"shard {shard} done: {len(part)} seqs, {len(need)} generated, {states} stored states, "
+                      f"{forwarded} tokens forwarded, {elapsed:.1f} s, {states / elapsed:.1f} stored states/s, "
+                      f"{forwarded / elapsed:.1f} tokens/s; "
+                      f"{len(manifest['finished'])}/{manifest['num_shards']} shards")
+            if on_shard_done is not None:
+                on_shard_done(shard)
+    finally:
+        model.train(was_training)
     bar.close()
     return manifest
 

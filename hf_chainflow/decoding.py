@@ -87,7 +87,8 @@ def speculative_generate(
     if drafter is None:
         raise ValueError("`speculative_generate` needs `drafter=` (a bound ChainFlowDrafter).")
     generation_config = generation_config if generation_config is not None else model.generation_config
-    validate_speculative_call(model, drafter, generation_config, input_ids, model_kwargs, own_loop=True)
+    validate_speculative_call(model, drafter, generation_config, input_ids, {**model_kwargs, "gdn_method": gdn_method},
+                              own_loop=True)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("`attention_mask` has padded positions; speculative generation takes one unpadded prompt.")
@@ -191,14 +192,18 @@ def speculative_generate(
             lookup_len = next_lookup_length(lookup_len, len(acc.nodes), tree.num_nodes,
                                             settings["lookup_num_tokens"], settings["lookup_max_tokens"])
 
-        # 6. Compact the cache to prefix + root + accepted path; roll the committed states forward.
+        # 6. Compact the cache to prefix + root + the accepted nodes that were emitted (all of them unless a stop
+        #    came first), so that the cache always holds the sequence but its last token, as after plain `generate`;
+        #    roll the committed states forward.
+        committed = acc.nodes[: emitted - 1]
+        commit(model, cache, past_len, committed, result.handle)
         if not done:
-            commit(model, cache, past_len, acc.nodes, result.handle)
-            kept = result.hidden_states[[0] + [i + 1 for i in acc.nodes]][None]  # (1, m+1, D)
+            kept = result.hidden_states[[0] + [i + 1 for i in committed]][None]  # (1, m+1, D)
             states = torch.cat([states, kept.to(states.dtype)], 1)[:, -context_size:]
         stats.verify_time += time.perf_counter() - start
-        if tree.num_nodes:
-            stats.record_round(len(acc.nodes), int(tree.max_depth))
+        # A round with an empty draft (one token left before max_length) is still a target forward: it counts in
+        # tau with 0 accepted tokens and drafted depth 0 (so per-depth acceptance is unchanged).
+        stats.record_round(len(acc.nodes), tree.max_depth)
 
     stats.new_tokens = ids.shape[1] - input_ids.shape[1]
     if streamer is not None:

@@ -53,6 +53,7 @@ __all__ = [
     "GDN_METHODS",
     "HybridTreeContext",
     "prepare_hybrid_target",
+    "check_forkable_target",
     "is_hybrid_target",
     "gdn_layers",
     "commit_hybrid_states",
@@ -366,6 +367,22 @@ def gdn_layers(model: nn.Module) -> dict[int, nn.Module]:
     if model in _PREPARED:
         return _PREPARED[model]
     return {m.layer_idx: m for m in model.modules() if isinstance(m, _SUPPORTED_GDN)}
+
+
+def check_forkable_target(model: nn.Module) -> None:
+    """Raise `ValueError` unless every recurrent layer of `model` is a Gated DeltaNet layer that can be forked.
+
+    Pure (changes nothing): for the up-front checks of a `generate` call on a stateful target (transformers'
+    `_is_stateful`), so that Mamba, LFM2 conv layers and the like are refused before any forward runs."""
+    forkable = {m.layer_idx for m in model.modules() if isinstance(m, _SUPPORTED_GDN)}
+    other = sorted(set(_recurrent_layer_indices(model)) - forkable)
+    if other or not forkable:
+        where = f"layers {other} (config.layer_types)" if other else "layers that are not Gated DeltaNet"
+        raise ValueError(
+            f"{type(model).__name__} keeps recurrent state in {where}, which hf_chainflow cannot fork per draft "
+            f"node. ChainFlow speculative generation supports attention targets and Gated DeltaNet hybrids "
+            f"({', '.join(c.__name__ for c in _SUPPORTED_GDN)}); call `generate` without `assistant_model` here."
+        )
 
 
 def prepare_hybrid_target(model: nn.Module) -> dict[int, nn.Module]:

@@ -21,6 +21,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from .candidate_generator import ChainFlowCandidateGenerator
+from .hybrid import GDN_METHODS, check_forkable_target
+from .hybrid import is_hybrid_target as has_recurrent_layers
 from .lookup import lookup_settings
 
 _UNSUPPORTED_CACHES = ("static", "offloaded", "offloaded_static", "quantized", "sliding_window", "hybrid",
@@ -39,9 +41,10 @@ def is_hybrid_target(model) -> bool:
 
 
 def effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-    """The generation config `generate` would use: the given or the model's, updated with matching kwargs."""
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    """The generation config `generate` will use: transformers' own merge (the given config, its unset fields
+    filled from `model.generation_config`, then matching kwargs), so a model default such as `stop_strings` is seen
+    here too. `kwargs` is not changed."""
+    config, _ = model._prepare_generation_config(copy.copy(generation_config), **dict(kwargs))
     return config
 
 
@@ -113,12 +116,34 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
             f"`cache_implementation={cache_impl!r}` is not supported with a ChainFlow drafter: verification crops "
             f"and gathers the cache. Use the default dynamic cache (leave `cache_implementation` unset)."
         )
+    if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
+        raise ValueError(
+            f"`guidance_scale={generation_config.guidance_scale}` cannot be combined with a ChainFlow drafter: "
+            f"classifier-free guidance keeps a per-call state that scoring several draft positions at once would "
+            f"corrupt. Leave `guidance_scale` unset (or 1), or generate without `assistant_model`."
+        )
+    if is_hybrid_target(model) or (own_loop and has_recurrent_layers(model)):
+        check_forkable_target(model)  # the own loop forks recurrent state per node: Gated DeltaNet layers only
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and type(cache) is not DynamicCache and not is_hybrid_target(model):
         raise ValueError(
             f"A ChainFlow drafter needs a `DynamicCache`, got {type(cache).__name__}. Pass no cache, or a "
             f"`DynamicCache`."
         )
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"The cache passed to `generate` already holds {cache.get_seq_length()} tokens; ChainFlow speculative "
+            f"generation prefills the whole prompt itself. Pass an empty cache (or none) with the full prompt."
+        )
+    if own_loop and kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            f"`inputs_embeds` (shape {tuple(kwargs['inputs_embeds'].shape)}) is not supported by hf_chainflow's own "
+            f"speculative loop (tree mode, a lookup branch, hybrid targets, stop strings); pass `input_ids`."
+        )
+    gdn_method = kwargs.get("gdn_method", "chunk")
+    if gdn_method not in GDN_METHODS:
+        raise ValueError(f"`gdn_method` must be one of {GDN_METHODS} (the Gated DeltaNet tree back-end), got "
+                         f"{gdn_method!r}.")
     attn = model.config._attn_implementation
     if own_loop and attn not in _SUPPORTED_ATTN:
         raise ValueError(
@@ -161,7 +186,14 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
         negative_prompt_attention_mask=negative_prompt_attention_mask,
     )
     if custom_generate is speculative_generate:  # direct use of the loop: keep the streamer
-        return call(custom_generate=custom_generate, chainflow_streamer=streamer, **kwargs)
+        config = effective_generation_config(self, generation_config, kwargs)
+        stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
+        return _original_generate(
+            self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+            synced_gpus, negative_prompt_ids=negative_prompt_ids,
+            negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate,
+            chainflow_streamer=streamer, **kwargs,
+        )
     if not is_chainflow_drafter(assistant_model):
         return call(assistant_model=assistant_model, streamer=streamer, custom_generate=custom_generate, **kwargs)
     if custom_generate is not None:
@@ -171,14 +203,7 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
     own = needs_own_loop(self, assistant_model, config, stopping_criteria)
     validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
     if own:
-        if config.stop_strings is not None:
-            # transformers drops `tokenizer` for `custom_generate` callables, so build the criterion here.
-            tokenizer = kwargs.pop("tokenizer", None)
-            if tokenizer is None:
-                raise ValueError("`stop_strings` needs the model's tokenizer: pass `tokenizer=` to `generate`.")
-            stop = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
-            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
-            kwargs["stop_strings"] = None
+        stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
         return _original_generate(
             self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
             synced_gpus, negative_prompt_ids=negative_prompt_ids,
@@ -186,6 +211,19 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
             drafter=assistant_model, chainflow_streamer=streamer, **kwargs,
         )
     return call(assistant_model=assistant_model, streamer=streamer, **kwargs)
+
+
+def _with_stop_strings(config: GenerationConfig, stopping_criteria, kwargs: dict):
+    """For the own loop: transformers drops `tokenizer` for `custom_generate` callables, so the stop-string
+    criterion is built here (and `stop_strings` / `tokenizer` taken out of `kwargs`)."""
+    if config.stop_strings is None:
+        return stopping_criteria
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("`stop_strings` needs the model's tokenizer: pass `tokenizer=` to `generate`.")
+    stop = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
+    kwargs["stop_strings"] = None
+    return StoppingCriteriaList([*(stopping_criteria or []), stop])
 
 
 @functools.wraps(_original_get_candidate_generator)

@@ -9,7 +9,6 @@ its parents are `x_{t+i-p+1 .. t+i}`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -353,6 +352,23 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
 
     is_chainflow_drafter = True  # `generate(assistant_model=...)` routes ChainFlow drafters by this flag
 
+    @classmethod
+    def can_generate(cls) -> bool:
+        # Like SpeechT5 and Bark: the drafter has no `generate` of its own (it drafts inside the target's), but it has
+        # a `generation_config` (draft mode, tree shape, flow steps), and transformers saves it with the weights only
+        # for models that "can generate" (on the main process, before a `push_to_hub` upload).
+        return True
+
+    def train(self, mode: bool = True):
+        """`nn.Module.train` (`eval()` calls it); also drops the serving caches derived from the weights.
+
+        `serving_feedback_weight` notices in-place updates through `Tensor._version`, which the fused AdamW
+        (transformers' default `adamw_torch_fused`) does not bump: a mode change is the point where training ends.
+        """
+        self._serving_head_cache = None
+        self._serving_feedback_cache = None
+        return super().train(mode)
+
     @property
     def context_size(self) -> int:
         return self.config.context_size
@@ -449,7 +465,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
 
         `W·r(parents, ĥ) + U2·U1[x] = F·[m; U1[x]] + b`, where `m = path_head.hidden(parents, ĥ)` `(R,)` and
         `r = out(m)`: one `(R + r)`-wide product per node instead of a `D`-wide one plus the Markov product. Computed
-        in float32 from the current weights, stored in `config.serving_head_dtype`, cached until a weight changes.
+        in float32 from the current weights, stored in `config.serving_head_dtype`, cached until a weight changes
+        (an in-place update that bumps `Tensor._version`) or the mode changes (`train()` / `eval()`: the fused AdamW
+        updates in place without bumping `_version`).
         `None` without feedback heads, or when `path_head.out` is not a plain `nn.Linear` (a LoRA adapter wraps it);
         the search then evaluates Eq. 3 term by term (same maths, another rounding).
         """
@@ -765,7 +783,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         """Candidate search over predicted states `(K, D)` given committed tokens `(L,)` (last = root)."""
         self._check_draft_args(mode, num_tokens, tree_width, tree_depth, tree_budget)
         if mode == "tree" and do_sample:
-            raise ValueError("Tree drafts are greedy-only; use `draft_mode='chain'` with `do_sample=True`.")
+            raise ValueError("`do_sample=True` draws chains only: a tree keeps the `tree_width` best tokens per beam. "
+                             "Draft the tree with `do_sample=False`; `generate(do_sample=True)` samples over it "
+                             "losslessly (`accept_sampling_tree`).")
         p = self.config.path_order
         depth_needed = num_tokens if mode == "chain" else tree_depth
         full = self.serving_head_weight()  # (S, D)
@@ -833,22 +853,26 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         return tree.top_nodes(tree_budget) if mode == "tree" and tree_budget is not None else tree
 
     # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        self.generation_config.save_pretrained(save_directory)
-
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
-        """Load a drafter; with `target=`, bind it (see `bind_target`).
+        """Load a drafter and its `generation_config.json` (also from a `subfolder` or a Hub repo); with `target=`,
+        bind it (see `bind_target`).
 
-        Weights are loaded in float32 unless `dtype=` says otherwise (shipped checkpoints are stored in float16 to
-        stay small; drafting on a CPU wants float32 layers).
+        Weights are loaded in float32 unless `dtype=` (or its deprecated alias `torch_dtype=`) says otherwise
+        (shipped checkpoints are stored in float16 to stay small; drafting on a CPU wants float32 layers).
         """
-        kwargs.setdefault("dtype", torch.float32)
+        if kwargs.get("dtype") is None:
+            kwargs["dtype"] = kwargs.pop("torch_dtype", None) or torch.float32
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        gen_file = os.path.join(str(pretrained_model_name_or_path), "generation_config.json")
-        if os.path.isfile(gen_file):
-            model.generation_config = GenerationConfig.from_pretrained(str(pretrained_model_name_or_path))
+        # transformers loads a generation config only for `GenerationMixin` models (`adjust_generation_fn`).
+        hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+        download_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
+        if pretrained_model_name_or_path is not None:
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path,
+                                                                           **download_kwargs)
+            except OSError:  # no generation_config.json: keep the defaults built from the config
+                pass
         if target is not None:
             model.bind_target(target)
         return model

@@ -116,7 +116,7 @@ class OracleDrafter:
         ids = input_ids.to(self.target.device)
         with torch.no_grad():
             out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                       do_sample=False, eos_token_id=None, pad_token_id=0)
+                                       do_sample=False, eos_token_id=None, pad_token_id=0, stop_strings=None)
         return out[0, ids.shape[1]:].tolist()
 
     def draft(self, hidden_states, input_ids, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,

@@ -137,7 +137,8 @@ class ChainFlowTrainer(Trainer):
         model: a `ChainFlowDrafter` (or a `peft` model around one).
         args: `ChainFlowTrainingArguments` (defaults: output under `chainflow-drafter/`).
         target: optional; when given, the drafter is bound to it here (`drafter.bind_target(target)`).
-            Otherwise the drafter must already be bound.
+            Otherwise the drafter must already be bound. A construction that raises leaves the drafter unchanged
+            (unbound, `config.train_flow_steps` as it was).
         Other arguments are `Trainer`'s; `data_collator` defaults to stacking the window tensors.
     """
 
@@ -149,17 +150,25 @@ class ChainFlowTrainer(Trainer):
             raise ValueError(f"`args` must be ChainFlowTrainingArguments (it carries the loss weights), got "
                              f"{type(args).__name__}.")
         drafter = unwrap_drafter(model)
-        if target is not None:
-            drafter.bind_target(target)
-        drafter._require_bound()
-        if args.train_flow_steps is not None:
-            drafter.config.train_flow_steps = args.train_flow_steps
-        super().__init__(model=model, args=args, data_collator=data_collator or default_data_collator,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
-        head = drafter._bound["lm_head"].weight
-        if head.device != drafter.device:
-            raise ValueError(f"The bound target's lm_head is on {head.device} but the drafter trains on "
-                             f"{drafter.device}; move the target to the training device (`target.to(...)`).")
+        if target is None:
+            drafter._require_bound()
+        # A construction that raises (here or in `Trainer.__init__`) leaves the drafter as it was given.
+        before = (drafter._bound, getattr(drafter, "_draft_head_cache", None), drafter.shortlist_ids,
+                  drafter.config.train_flow_steps)
+        try:
+            if target is not None:
+                drafter.bind_target(target)
+            if args.train_flow_steps is not None:
+                drafter.config.train_flow_steps = args.train_flow_steps
+            super().__init__(model=model, args=args, data_collator=data_collator or default_data_collator,
+                             train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+            head = drafter._bound["lm_head"].weight
+            if head.device != drafter.device:
+                raise ValueError(f"The bound target's lm_head is on {head.device} but the drafter trains on "
+                                 f"{drafter.device}; move the target to the training device (`target.to(...)`).")
+        except BaseException:
+            drafter._bound, drafter._draft_head_cache, drafter.shortlist_ids, drafter.config.train_flow_steps = before
+            raise
         # `compute_loss` returns a per-batch mean: let the Trainer divide it for gradient accumulation, and do not
         # pass `num_items_in_batch` into the drafter's forward.
         self.model_accepts_loss_kwargs = False
@@ -246,21 +255,23 @@ class ChainFlowTrainer(Trainer):
         was_training = drafter.training
         drafter.train()
         losses = []
-        for step in tqdm(range(steps), desc="VAE pre-training", disable=a.disable_tqdm):
-            batch = self._prepare_inputs(next(batches))
-            loss = vae_reconstruction_loss(drafter, batch, a.kl_beta)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.accelerator.num_processes > 1:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad = self.accelerator.reduce(p.grad, "mean")
-            optimizer.step()
-            losses.append(loss.item())
-            if a.logging_steps and (step + 1) % max(1, int(a.logging_steps)) == 0:
-                super().log({"vae_pretrain_loss_rec": float(np.mean(losses[-int(a.logging_steps):])),
-                             "vae_pretrain_step": step + 1})
-        drafter.train(was_training)
+        try:
+            for step in tqdm(range(steps), desc="VAE pre-training", disable=a.disable_tqdm):
+                batch = self._prepare_inputs(next(batches))
+                loss = vae_reconstruction_loss(drafter, batch, a.kl_beta)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if self.accelerator.num_processes > 1:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad = self.accelerator.reduce(p.grad, "mean")
+                optimizer.step()
+                losses.append(loss.item())
+                if a.logging_steps and (step + 1) % max(1, int(a.logging_steps)) == 0:
+                    super().log({"vae_pretrain_loss_rec": float(np.mean(losses[-int(a.logging_steps):])),
+                                 "vae_pretrain_step": step + 1})
+        finally:
+            drafter.train(was_training)
         self.vae_pretrain_losses = losses  # (the Trainer's `state.log_history` starts afresh in `train`)
         return losses
 

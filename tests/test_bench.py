@@ -3,6 +3,7 @@ classifier (hand-made logits and a deliberately wrong arm), plots, and both comm
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -176,6 +177,65 @@ def test_run_bench_rejects_a_missing_baseline():
         run_bench({"float32": target}, _prompts(target.config.vocab_size), arms, progress=False)
 
 
+def test_journal_drops_a_cut_last_line_and_refuses_a_broken_middle_line(tmp_path, caplog):
+    from hf_chainflow.bench_journal import BenchJournal
+
+    path = tmp_path / "runs.jsonl"
+    header = {"settings": {"a": 1}, "prompt_ids": ["x", "y"], "prompt_tokens_sha256": "0"}
+    journal = BenchJournal(path, header)
+    journal.add(journal.start_part({"m": 1}), "x", 1.0, {}, {}, {})
+    complete = path.read_bytes()
+    with open(path, "a") as f:
+        f.write('{"type": "prompt", "part": 0, "id": "y", "wall": 1.0, "rec')  # killed mid-append
+    cut = path.read_bytes()
+    with pytest.raises(ValueError, match=r"differ from the journal .* \['settings.a'\]"):
+        BenchJournal(path, {**header, "settings": {"a": 2}}, resume=True)
+    assert path.read_bytes() == cut  # a refused resume changes nothing
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench_journal"):
+        resumed = BenchJournal(path, header, resume=True)
+    assert "cut short" in caplog.text
+    assert set(resumed.done) == {"x"} and path.read_bytes() == complete
+    resumed.add(resumed.start_part({"m": 2}), "y", 1.0, {}, {}, {})  # appends start on a line of their own
+    assert set(BenchJournal(path, header, resume=True).done) == {"x", "y"}
+    # A broken line before the last one is not an interrupted append: refused, naming the file and the line.
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1] + '{"type": "pro\n' + "".join(lines[2:]))
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"runs.jsonl' line 3 is not valid JSON"):
+        BenchJournal(path, header, resume=True)
+    assert path.read_bytes() == before
+
+
+def test_a_journal_from_before_config_digests_resumes_with_a_warning(tmp_path, caplog):
+    """The committed 320-prompt journal has no `drafter_config_sha256`: it still resumes (weights and every other
+    setting checked), with a warning that the configs could not be; any other difference is still refused."""
+    from hf_chainflow.bench_journal import BenchJournal
+
+    path = tmp_path / "runs.jsonl"
+    old = {"settings": {"a": 1, "drafter_weights_sha256": {"c": "w"}}, "prompt_ids": ["x"], "prompt_tokens_sha256": "0"}
+    BenchJournal(path, old).add(BenchJournal(path, old).start_part({}), "x", 1.0, {}, {}, {})
+    new = {**old, "settings": {**old["settings"], "drafter_config_sha256": {"c": "k"}}}
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench_journal"):
+        assert set(BenchJournal(path, new, resume=True).done) == {"x"}
+    assert "predates `drafter_config_sha256`" in caplog.text
+    with pytest.raises(ValueError, match=r"\['settings.drafter_weights_sha256.c'\]"):
+        BenchJournal(path, {**new, "settings": {**new["settings"], "drafter_weights_sha256": {"c": "v"}}}, resume=True)
+
+
+def test_config_digest_follows_config_and_generation_config(tmp_path):
+    from hf_chainflow.bench_journal import config_digest
+
+    ChainFlowDrafter(ChainFlowConfig.for_target(tiny_target("llama").config, **DRAFTER)).save_pretrained(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    a, b = ChainFlowDrafter.from_pretrained(tmp_path / "a"), ChainFlowDrafter.from_pretrained(tmp_path / "b")
+    assert config_digest(a) == config_digest(b)  # the path is not part of it
+    b.generation_config.num_flow_steps = 4
+    assert config_digest(a) != config_digest(b)
+    b = ChainFlowDrafter.from_pretrained(tmp_path / "b")
+    b.config.serving_head_dtype = "float32"
+    assert config_digest(a) != config_digest(b)
+
+
 def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     """A run stopped after two prompts resumes from its journal and summarises like an uninterrupted run; a resume
     with other settings, or without a journal, is refused and leaves the journal as it was."""
@@ -309,6 +369,12 @@ def test_bench_command(saved, capsys):
         {k: (a["tau"], a["mismatches"]) for k, a in results["arms"].items()}
     with pytest.raises(ValueError, match="max_new_tokens"):
         main([("7" if a == "6" else a) for a in argv] + ["--resume"])
+    # Same weights, another serving config (not an arm setting): refused too.
+    shutil.copytree(saved / "drafter", saved / "drafter-budget")
+    config = json.loads((saved / "drafter-budget" / "config.json").read_text())
+    (saved / "drafter-budget" / "config.json").write_text(json.dumps({**config, "candidate_budget": 8}))
+    with pytest.raises(ValueError, match=r"drafter_config_sha256.chainflow"):
+        main([str(saved / "drafter-budget") if a == str(saved / "drafter") else a for a in argv] + ["--resume"])
     assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "tree+lookup", "other-chain")
                                     for dt in ("float32", "bfloat16")}
     assert results["settings"]["num_prompts"] == 2 and len(results["domains"]) == 2  # stratified

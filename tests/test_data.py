@@ -209,6 +209,22 @@ def test_kill_between_generation_and_shard_reuses_generated_responses(tmp_path, 
     assert all(s["response_len"] == NEW for s in iter_sequences(tmp_path))
 
 
+def test_prepare_restores_the_models_training_flag(tmp_path, tok):
+    model = tiny_target("llama", vocab_size=len(tok)).train()
+    rows = _prompt_rows()[:2]
+    prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32, shard_size=1,
+            max_shards=1, progress=False)
+    assert model.training
+
+    def dies(shard):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
+                shard_size=1, on_shard_done=dies, progress=False)
+    assert model.training and read_manifest(tmp_path)["finished"] == [0, 1]
+
+
 def test_supplied_responses_skip_generation(tmp_path, model, tok):
     rows = _prompt_rows()[:3]
     given = {"id": rows[0]["id"], "prompt_ids": data.chat_prompt_ids(tok, rows[0]["prompt"]),

@@ -4,7 +4,7 @@ other `generate` calls are untouched."""
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
@@ -109,6 +109,61 @@ def test_stopping_criteria_and_stop_strings(family, request):
                           assistant_model=drafter)
     assert torch.equal(out, ref)
     assert out.shape[1] < free.shape[1]
+    # the direct `custom_generate` route builds the stop-string criterion too (transformers drops `tokenizer` there)
+    direct = target.generate(PROMPT, max_new_tokens=14, do_sample=False, stop_strings=[stop], tokenizer=tok,
+                             custom_generate=hf_chainflow.speculative_generate, drafter=drafter)
+    assert torch.equal(direct, ref)
+    # a stop string from the model's own generation config, with a GenerationConfig given by the caller
+    target.generation_config.stop_strings = [stop]
+    try:
+        config = GenerationConfig(max_new_tokens=14, do_sample=False)
+        ref = target.generate(PROMPT, generation_config=config, tokenizer=tok)
+        out = target.generate(PROMPT, generation_config=config, tokenizer=tok, assistant_model=drafter)
+    finally:
+        target.generation_config.stop_strings = None
+    assert torch.equal(out, ref) and drafter.last_stats.loop == "chainflow"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("stop", ["max_length", "eos"])
+def test_returned_cache_is_the_cache_of_the_returned_sequence(family, stop, request):
+    """Stopped inside a round, the own loop still compacts the cache: it holds the sequence but its last token, as
+    after plain `generate`, and continuing from it gives plain's next-token logits."""
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    drafter = OracleDrafter(target, error_rate=0.0)
+    g = drafter.generation_config
+    g.draft_mode, g.tree_width, g.tree_depth = "tree", 4, 8
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    if stop == "eos":
+        free = target.generate(PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        kwargs.update(max_new_tokens=12, eos_token_id=int(free[0, PROMPT.shape[1] + 5]))
+    ref = target.generate(PROMPT, **kwargs)
+    out = target.generate(PROMPT, assistant_model=drafter, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.cache.get_seq_length() == ref.cache.get_seq_length() == out.sequences.shape[1] - 1
+    last, pos = out.sequences[:, -1:], torch.tensor([[out.sequences.shape[1] - 1]])
+    with torch.no_grad():
+        want = target(input_ids=last, cache=ref.cache, position_ids=pos).logits[0, -1]
+        got = target(input_ids=last, cache=out.cache, position_ids=pos).logits[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_tau_counts_every_target_forward(family, mode, request):
+    """tau = tokens per target forward after the prefill, the last one-token round (no room to draft) included:
+    with no stop inside a round, sum(accepted) + rounds is exactly the new tokens after the first."""
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    drafter = OracleDrafter(target, error_rate=0.0)
+    g = drafter.generation_config
+    g.draft_mode, g.num_assistant_tokens, g.tree_width, g.tree_depth = mode, 3, 2, 3
+    empty_rounds = 0
+    for n in range(2, 12):
+        target.generate(PROMPT, max_new_tokens=n, do_sample=False, eos_token_id=None, assistant_model=drafter)
+        stats = drafter.last_stats
+        assert sum(stats.accepted) + stats.rounds == n - 1, (n, stats.accepted)
+        empty_rounds += stats.drafted_depth.count(0)
+    assert empty_rounds > 0  # some lengths end on a one-token round: the case this test is about
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -212,6 +267,64 @@ def test_bad_inputs_raise_clear_errors(llama):
     assert drafter.generation_config.to_dict() == before
     ref = llama.generate(PROMPT, max_new_tokens=6, do_sample=False)
     assert torch.equal(llama.generate(PROMPT, max_new_tokens=6, do_sample=False, assistant_model=drafter), ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_inputs_the_loops_cannot_honour_are_refused_before_any_forward(family, request):
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    drafter = OracleDrafter(target, error_rate=0.0)
+    prefilled = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=PROMPT[:, :5], cache=prefilled, use_cache=True)
+    embeds = target.get_input_embeddings()(PROMPT)
+    cases = [
+        ("chain", dict(past_key_values=prefilled), r"already holds 5 tokens; .* Pass an empty cache"),
+        ("tree", dict(past_key_values=prefilled), r"already holds 5 tokens"),
+        ("chain", dict(guidance_scale=3.0), r"`guidance_scale=3.0` cannot be combined .* Leave `guidance_scale`"),
+        ("tree", dict(guidance_scale=3.0), r"`guidance_scale=3.0`"),
+        ("tree", dict(inputs_embeds=embeds), r"`inputs_embeds` \(shape \(1, 7, 64\)\) .* pass `input_ids`"),
+        ("tree", dict(gdn_method="scan"), r"`gdn_method` must be one of \('chunk', 'fork'\) .* got 'scan'"),
+    ]
+    forwards = []
+    hook = target.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        for mode, kwargs, needle in cases:
+            drafter.generation_config.draft_mode = mode
+            inputs = {} if "inputs_embeds" in kwargs else {"inputs": PROMPT}
+            with pytest.raises(ValueError, match=needle):
+                target.generate(**inputs, max_new_tokens=4, do_sample=False, assistant_model=drafter, **kwargs)
+            assert not forwards, (mode, kwargs.keys())
+    finally:
+        hook.remove()
+    assert prefilled.get_seq_length() == 5  # the caller's cache is untouched
+
+
+@pytest.mark.parametrize("kind", ["mamba", "lfm2"])
+def test_recurrent_layers_hf_chainflow_cannot_fork_are_refused_up_front(kind):
+    """Mamba (stateful: every mode goes to the own loop) and LFM2 conv layers (own loop in tree mode) have recurrent
+    state that is not Gated DeltaNet: refused before the prefill, with the layers named."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM, MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "mamba":
+        target = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                              state_size=4)).eval()
+    else:
+        config = Lfm2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
+        config._attn_implementation = "sdpa"
+        target = Lfm2ForCausalLM(config).eval()
+    drafter = OracleDrafter(target, error_rate=0.0)
+    drafter.generation_config.draft_mode = "tree"
+    forwards = []
+    hook = target.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"keeps recurrent state in layers \[0.*\] \(config.layer_types\), which "
+                                             r"hf_chainflow cannot fork .* without `assistant_model`"):
+            target.generate(PROMPT, max_new_tokens=4, do_sample=False, assistant_model=drafter)
+    finally:
+        hook.remove()
+    assert not forwards
 
 
 def test_unbound_and_mismatched_drafters(llama):

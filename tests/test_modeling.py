@@ -47,6 +47,7 @@ def make(target, **overrides):
     (dict(source="extrapolate", context_size=1), "needs two context latents"),
     (dict(shortlist=[]), "at least one token id"),
     (dict(shortlist=[1, 60000]), r"ids must lie in \[0, vocab_size=49152\)"),
+    (dict(shortlist=[7, 5, 5, 6, 7]), r"distinct .* got \[5, 7\] more than once. Pass `sorted\(set\(shortlist\)\)`"),
     (dict(candidate_budget=-1), "`candidate_budget` must be a positive integer"),
 ])
 def test_config_validation_errors(kwargs, needle):
@@ -104,7 +105,7 @@ def test_chain_and_tree_shapes(target, context):
     assert (q_of_token > 0).all()
     with pytest.raises(ValueError, match="tree_depth"):
         drafter.draft(hidden, ids, mode="tree", tree_width=2, tree_depth=9)
-    with pytest.raises(ValueError, match="greedy-only"):
+    with pytest.raises(ValueError, match="draws chains only"):
         drafter.draft(hidden, ids, mode="tree", do_sample=True)
 
 
@@ -151,6 +152,25 @@ def test_folded_feedback_equals_term_by_term(target, context, feedback):
     refreshed, _ = drafter.serving_feedback_weight()
     assert not torch.equal(refreshed, fused)
     torch.testing.assert_close(refreshed[:, -drafter.config.markov_rank:], drafter.markov_head.u2)
+
+
+def test_eval_refolds_feedback_after_fused_optimizer_steps(target, context):
+    """The fused AdamW (the trainer's default) updates in place without bumping `_version`: `.eval()` refolds."""
+    ids, hidden = context
+    drafter = make(target, serving_head_dtype="float32").bind_target(target)
+    drafter.draft(hidden, ids, mode="tree", tree_width=4, tree_depth=3)  # fills the fold with zero-init heads
+    drafter.train()
+    params = [drafter.path_head.out.weight, drafter.path_head.out.bias, drafter.markov_head.u2]
+    optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    drafter.eval()
+    fused, bias = drafter.serving_feedback_weight()
+    W = drafter.draft_head_weight()
+    torch.testing.assert_close(fused, torch.cat([W @ params[0], params[2]], 1).detach())
+    torch.testing.assert_close(bias, (W @ params[1]).detach())
 
 
 def test_tree_budget_keeps_the_most_probable_nodes(target, context):
@@ -212,6 +232,56 @@ def test_save_load_round_trip(target, context, tmp_path):
         b = loaded.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         assert torch.allclose(a.logprobs, b.logprobs)
+
+
+def test_generation_config_subfolder_hub_cache_and_main_process(target, tmp_path):
+    drafter = make(target)
+    drafter.generation_config.draft_mode, drafter.generation_config.tree_budget = "tree", 12
+    drafter.save_pretrained(tmp_path / "sub")
+    loaded = ChainFlowDrafter.from_pretrained(tmp_path, subfolder="sub", target=target)
+    assert (loaded.generation_config.draft_mode, loaded.generation_config.tree_budget) == ("tree", 12)
+    # a Hub repo id served from the local cache, offline
+    cache, sha = tmp_path / "hub", "0" * 40
+    drafter.save_pretrained(cache / "models--me--drafter" / "snapshots" / sha)
+    (cache / "models--me--drafter" / "refs").mkdir()
+    (cache / "models--me--drafter" / "refs" / "main").write_text(sha)
+    loaded = ChainFlowDrafter.from_pretrained("me/drafter", cache_dir=cache, local_files_only=True)
+    assert (loaded.generation_config.draft_mode, loaded.generation_config.tree_budget) == ("tree", 12)
+    # without the file the defaults stay
+    os.remove(tmp_path / "sub" / "generation_config.json")
+    assert ChainFlowDrafter.from_pretrained(tmp_path / "sub").generation_config.draft_mode == "chain"
+    # only the main process writes it
+    drafter.save_pretrained(tmp_path / "rank1", is_main_process=False)
+    assert not (tmp_path / "rank1" / "generation_config.json").exists()
+
+
+def test_push_to_hub_uploads_the_generation_config(target, tmp_path, monkeypatch):
+    import transformers.modeling_utils as modeling_utils
+
+    class Api:
+        def create_repo(self, repo_id, **kwargs):
+            return type("Repo", (), {"repo_id": repo_id})()
+
+    uploaded = []
+
+    def upload(self, working_dir, repo_id, files_timestamps, **kwargs):  # the files transformers would upload
+        uploaded.extend(f for f in os.listdir(working_dir)
+                        if f not in files_timestamps or os.path.getmtime(working_dir / f) > files_timestamps[f])
+
+    monkeypatch.setattr(modeling_utils, "hf_api", Api)
+    monkeypatch.setattr(modeling_utils, "create_and_tag_model_card",
+                        lambda *a, **k: type("Card", (), {"save": lambda self, path: None})())
+    monkeypatch.setattr(ChainFlowDrafter, "_upload_modified_files", upload)
+    make(target).save_pretrained(tmp_path, push_to_hub=True, repo_id="me/drafter")
+    assert "generation_config.json" in uploaded and "model.safetensors" in uploaded
+
+
+def test_from_pretrained_dtype(target, tmp_path):
+    make(target).save_pretrained(tmp_path)
+    assert ChainFlowDrafter.from_pretrained(tmp_path).dtype == torch.float32  # the default
+    assert ChainFlowDrafter.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert ChainFlowDrafter.from_pretrained(tmp_path, dtype=torch.float16, torch_dtype=torch.bfloat16).dtype == (
+        torch.float16)
 
 
 def test_binding_errors(target, context, tmp_path):

@@ -88,6 +88,27 @@ def test_unbound_drafter_and_wrong_args_are_refused(target, windows, tmp_path):
         ChainFlowTrainer(model=new_drafter(target), args=TrainingArguments(output_dir=str(tmp_path)))
 
 
+def test_failed_construction_and_failed_vae_stage_leave_the_drafter_unchanged(target, windows, tmp_path,
+                                                                                monkeypatch):
+    drafter = ChainFlowDrafter(tiny_drafter_config(target))
+    steps = drafter.config.train_flow_steps
+    with pytest.raises(ValueError, match="not both"):  # `Trainer.__init__` refuses `model` with `model_init`
+        ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=steps + 2), target=target,
+                         model_init=lambda: drafter)
+    assert not drafter.is_bound and drafter.config.train_flow_steps == steps
+
+    trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path), target=target, train_dataset=windows)
+    drafter.eval()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("hf_chainflow.trainer.vae_reconstruction_loss", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.pretrain_vae(num_steps=2)
+    assert not drafter.training
+
+
 def test_train_logs_every_term_and_saves_only_the_drafter(target, windows, tmp_path):
     drafter = new_drafter(target)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
