@@ -26,7 +26,7 @@ from .hybrid import is_hybrid_target as has_recurrent_layers
 from .lookup import lookup_settings
 
 _UNSUPPORTED_CACHES = ("static", "offloaded", "offloaded_static", "quantized", "sliding_window", "hybrid",
-                       "mamba", "hybrid_chunked")
+                       "mamba", "hybrid_chunked", "paged")  # paged: transformers would switch to continuous batching
 _SUPPORTED_ATTN = ("sdpa", "eager")
 
 

@@ -246,6 +246,8 @@ def test_bad_inputs_raise_clear_errors(llama):
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(cache_implementation="static"), "cache_implementation"),
         (dict(num_beams=2, _tree=True), "num_beams"),
+        (dict(cache_implementation="paged"), "cache_implementation='paged'"),
+        (dict(cache_implementation="paged", _tree=True), "cache_implementation='paged'"),
     ]
     for kwargs, needle in cases:
         tree = kwargs.pop("_tree", False)
