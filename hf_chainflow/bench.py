@@ -278,20 +278,26 @@ def classify_divergence(logits: torch.Tensor, expected: int | None, got: int | N
     """Classify one difference from the reference logits `(V,)` of the common prefix.
 
     `expected` is ar's token, `got` the arm's (None where that output had already ended). The difference is a
-    `near_tie` when `dtype` is not float32 and both tokens' logits lie within `tolerance`; otherwise `unexplained`
-    (float32 is exact; a gap beyond the rounding of a low-precision forward, or a length difference, is a bug).
+    `near_tie` when `dtype` is not float32 and both tokens' logits lie within `tolerance` of each other and of the
+    reference's top logit (`top_gap`: top minus the higher of the two; a third token may be the reference's argmax
+    when several tie); otherwise `unexplained` (float32 is exact; a gap beyond the rounding of a low-precision
+    forward, two tokens tied far below the top, or a length difference, is a bug).
     """
     top = int(logits.argmax())
     if expected is None or got is None:
-        return {"kind": "unexplained", "gap": None, "reference_top": top, "reason": "output length differs"}
+        return {"kind": "unexplained", "gap": None, "top_gap": None, "reference_top": top,
+                "reason": "output length differs"}
     gap = float(logits[expected].float() - logits[got].float())
+    top_gap = float(logits[top].float() - torch.maximum(logits[expected], logits[got]).float())
     if dtype == "float32":
         kind, reason = "unexplained", "float32 must match exactly"
-    elif abs(gap) <= tolerance:
-        kind, reason = "near_tie", f"|gap| <= {tolerance}"
-    else:
+    elif abs(gap) > tolerance:
         kind, reason = "unexplained", f"|gap| > {tolerance}"
-    return {"kind": kind, "gap": gap, "reference_top": top, "reason": reason}
+    elif top_gap > tolerance:
+        kind, reason = "unexplained", f"both tokens more than {tolerance} below the reference's top"
+    else:
+        kind, reason = "near_tie", f"|gap| <= {tolerance} and top_gap <= {tolerance}"
+    return {"kind": kind, "gap": gap, "top_gap": top_gap, "reference_top": top, "reason": reason}
 
 
 @torch.inference_mode()

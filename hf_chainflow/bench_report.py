@@ -98,10 +98,11 @@ def markdown_table(results: dict) -> str:
     diffs = [(k, d) for k, a in arms.items() for d in a["mismatch_details"]]
     if diffs:
         lines += ["", "## Differences from same-dtype ar (first diverging new token)", "",
-                  "| arm | prompt | domain | position | ar | arm | ref gap | kind |", "|---|---|---|---|---|---|---|---|"]
+                  "| arm | prompt | domain | position | ar | arm | ref gap | top gap | kind |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for k, d in diffs:
             lines.append(f"| {k} | {d['id']} | {d['domain']} | {d['position']} | {d['ar_token']} | {d['arm_token']} "
-                         f"| {_fmt(d['gap'], '+.3f')} | {d['kind']} |")
+                         f"| {_fmt(d['gap'], '+.3f')} | {_fmt(d.get('top_gap'), '.3f')} | {d['kind']} |")
     lines += ["", "## Settings", "", "```json", json.dumps(results["settings"], indent=1), "```", "",
               "## Machine", "", "```json", json.dumps(results["machine"], indent=1), "```", ""]
     return "\n".join(lines)

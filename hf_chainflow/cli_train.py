@@ -146,15 +146,17 @@ def _window_dataset(data_dir, config, **kwargs):
     return ChainFlowWindowDataset.for_drafter(data_dir, config, **kwargs)
 
 
-def state_statistics(data_dir, max_states: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of the finished
-    shards), for `ChainFlowDrafter.set_state_statistics`."""
+def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of `shards`, in order;
+    default: the finished shards), for `ChainFlowDrafter.set_state_statistics`. `run_train` passes its `--shards`,
+    so a drafter trained on some shards takes its statistics from those alone."""
     from safetensors import safe_open
 
     from hf_chainflow.data import read_manifest, shard_path
 
     total, sq, count = None, None, 0
-    for shard in read_manifest(data_dir)["finished"]:
+    for shard in read_manifest(data_dir)["finished"] if shards is None else shards:
         with safe_open(str(shard_path(data_dir, shard)), framework="pt") as f:
             h = f.get_tensor("hidden").double()  # (T, D)
         total = h.sum(0) if total is None else total + h.sum(0)
@@ -194,7 +196,7 @@ def run_train(args: argparse.Namespace) -> int:
         config = ChainFlowConfig.for_target(target.config, shortlist=shortlist, **o["drafter"])
         torch.manual_seed(o["seed"])
         model = ChainFlowDrafter(config).to(dtype).bind_target(target)
-        model.set_state_statistics(*state_statistics(o["data"]))
+        model.set_state_statistics(*state_statistics(o["data"], shards=o["shards"]))
     config = model.config
     if o["lora"]:
         from hf_chainflow.adapters import add_language_adapter, lora_config

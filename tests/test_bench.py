@@ -47,6 +47,13 @@ def test_classify_divergence_hand_made_logits():
     assert classify_divergence(logits, 7, 3, "bfloat16", tolerance=0.25)["kind"] == "near_tie"
     wrong = classify_divergence(logits, 3, 5, "bfloat16", tolerance=0.25)
     assert wrong["kind"] == "unexplained" and wrong["gap"] == pytest.approx(8.0)
+    assert tie["top_gap"] == 0.0
+    # Tied with each other but far below the reference's top: not a near-tie of the decision that was made.
+    logits[6] = 4.0
+    low = classify_divergence(logits, 5, 6, "bfloat16", tolerance=0.25)
+    assert low["kind"] == "unexplained" and low["top_gap"] == pytest.approx(8.0) and "below" in low["reason"]
+    logits[4] = 12.0  # a third token tied at the top: ar's and the arm's both within tolerance of it
+    assert classify_divergence(logits, 7, 3, "bfloat16", tolerance=0.25)["kind"] == "near_tie"
     # float32 is exact: even a tiny gap is a bug.
     assert classify_divergence(logits, 3, 7, "float32", tolerance=0.25)["kind"] == "unexplained"
     # One output ended where the other went on.

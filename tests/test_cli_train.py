@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_chainflow.cli import build_parser
 from hf_chainflow.cli_train import TRAIN_DEFAULTS, resolve_train_options, throughput_summary
@@ -89,3 +90,22 @@ def test_throughput_of_a_resumed_run_counts_only_its_own_steps():
     resumed = throughput_summary(3000, 6000, 64, 3033.2)  # the more-data ChainFlow run, resumed at step 3,000
     assert resumed["windows_seen"] == 384000 and resumed["windows_this_run"] == 192000
     assert resumed["steps_this_run"] == 3000 and resumed["windows_per_second"] == 63.3
+
+
+def test_state_statistics_come_from_the_training_shards(tmp_path):
+    """`run_train --shards` takes the state statistics from those shards, not from the first finished ones."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hf_chainflow.cli_train import state_statistics
+    from hf_chainflow.data import MANIFEST, shard_path
+
+    shard_path(tmp_path, 0).parent.mkdir(parents=True)
+    for shard, value in ((0, 1.0), (1, 5.0), (2, 9.0)):
+        save_file({"hidden": torch.full((4, 3), value) + torch.arange(4.0)[:, None]}, str(shard_path(tmp_path, shard)))
+    (tmp_path / MANIFEST).write_text(json.dumps({"finished": [0, 1, 2]}))
+    mean, _ = state_statistics(tmp_path)
+    assert torch.allclose(mean, torch.full((3,), 6.5))  # all three shards: mean of 1..12 shifted
+    mean, std = state_statistics(tmp_path, shards=[2])
+    assert torch.allclose(mean, torch.full((3,), 10.5)) and torch.allclose(std, torch.full((3,), 1.25 ** 0.5))
