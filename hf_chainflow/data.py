@@ -349,7 +349,9 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     """Generate (or take) the target's greedy responses and cache its hidden states in shards under `out_dir`.
 
     Resumable: the first run fixes the plan (`plan.json`); a later run with the same inputs skips finished shards
-    (each shard is written atomically and then recorded in the manifest). `max_shards` stops after that many new
+    (each shard is written atomically and then recorded in the manifest). "The same inputs": the same settings,
+    ids and order (`plan_sha256`) and the same prompt and supplied-response token ids (`inputs_sha256`, so another
+    chat template or prompt column is refused too); anything else raises before any work. `max_shards` stops after that many new
     shards (e.g. to process part of the data now). Returns the manifest.
 
     - `prompts`: JSONL path / `datasets.Dataset` / dicts (see `load_prompts`); `None` uses the `responses` rows.
@@ -376,19 +378,28 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                 "hidden_size": model.config.get_text_config().hidden_size,
                 "vocab_size": model.config.get_text_config().vocab_size}
     fingerprint = hashlib.sha256("\n".join(ids).encode()).hexdigest()
+    # What the rows hold, not only their ids: a changed chat template, prompt column or supplied response resumed
+    # into the same directory would mix two data sets. (Manifests written before it existed are checked by ids.)
+    content = hashlib.sha256()
+    for r in rows:
+        content.update(f"{r['id']}\0{r['prompt_ids']}\0{r.get('response_ids')}\n".encode())
+    inputs_sha256 = content.hexdigest()
 
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     if (out_dir / MANIFEST).is_file():
         manifest = read_manifest(out_dir)
         old = {k: manifest.get(k) for k in settings} | {"plan_sha256": manifest.get("plan_sha256")}
         new = settings | {"plan_sha256": fingerprint}
+        if "inputs_sha256" in manifest:
+            old["inputs_sha256"], new["inputs_sha256"] = manifest["inputs_sha256"], inputs_sha256
         if old != new:
             diff = {k: (old[k], new[k]) for k in new if old[k] != new[k]}
             raise ValueError(f"`{out_dir}` was prepared from other inputs or settings ({diff}, as (old, new)); "
                              f"resume with the same inputs, or choose a new `out_dir`.")
     else:
         _atomic_write_text(out_dir / PLAN, json.dumps(ids))
-        manifest = {"format": FORMAT, **settings, "plan_sha256": fingerprint, "num_sequences": len(rows),
+        manifest = {"format": FORMAT, **settings, "plan_sha256": fingerprint, "inputs_sha256": inputs_sha256,
+                    "num_sequences": len(rows),
                     "num_shards": (len(rows) + shard_size - 1) // shard_size, "eos_token_ids": eos,
                     "pad_token_id": pad, "target": str(model.config.name_or_path),
                     "model_type": model.config.model_type, "domains": sorted({r["domain"] for r in rows}),

@@ -186,6 +186,18 @@ def test_killed_prepare_resumes_without_redoing_shards(tmp_path, model, tok):
     with pytest.raises(ValueError, match="other inputs or settings"):
         prepare(model, tok, tmp_path, prompts=rows[:5], max_new_tokens=NEW, generation_dtype=torch.float32,
                 shard_size=2, progress=False)
+    # ... also when only a prompt's text changed (same ids: another chat template or prompt column would do this)
+    edited = [dict(r) for r in rows]
+    edited[0]["prompt"] = edited[0]["prompt"] + " Please."
+    with pytest.raises(ValueError, match="inputs_sha256"):
+        prepare(model, tok, tmp_path, prompts=edited, max_new_tokens=NEW, generation_dtype=torch.float32,
+                shard_size=2, progress=False)
+    # a manifest written before `inputs_sha256` existed is still resumed by its ids
+    manifest = read_manifest(tmp_path)
+    del manifest["inputs_sha256"]
+    (tmp_path / data.MANIFEST).write_text(json.dumps(manifest))
+    prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
+            shard_size=2, progress=False)
 
 
 def test_kill_between_generation_and_shard_reuses_generated_responses(tmp_path, model, tok, monkeypatch):
