@@ -44,7 +44,7 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         self.stats = SpeculativeStats(mode="chain", loop="transformers")
         drafter.last_stats = self.stats
         self._round_start = None
-        self._last_depth, self._empty_round = 0, False
+        self._pending_depth = None  # drafted depth of the round being verified; None: no round (the prefill)
 
     def get_candidates(
         self,
@@ -73,7 +73,7 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         # 2. Draft a chain, capped so that the verified length never passes `max_length`.
         budget = min(self.num_tokens, self.max_length - input_ids.shape[1] - 1)
         if budget <= 0:  # one token left: a plain step, still a target forward (a round of depth 0)
-            self._last_depth, self._empty_round = 0, True
+            self._pending_depth = 0
             self._round_start = time.perf_counter()
             return input_ids, None
         start = time.perf_counter()
@@ -81,7 +81,7 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
                                   num_flow_steps=self.num_flow_steps, do_sample=self.do_sample,
                                   temperature=self.temperature)
         self.stats.draft_time += time.perf_counter() - start
-        self._last_depth = budget
+        self._pending_depth = budget
         candidates = torch.cat([input_ids, tree.tokens.to(input_ids.device)[None]], 1)
         logits = None
         if self.do_sample:
@@ -90,8 +90,8 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        if self._round_start is None or (self._last_depth == 0 and not self._empty_round):
+        if self._pending_depth is None:
             return  # the prefill
         self.stats.verify_time += time.perf_counter() - self._round_start
-        self.stats.record_round(int(num_matches), self._last_depth)
-        self._last_depth, self._empty_round = 0, False
+        self.stats.record_round(int(num_matches), self._pending_depth)
+        self._pending_depth = None

@@ -194,6 +194,7 @@ def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
 @pytest.mark.parametrize("family,drafter_kind,mode,lookup", [
     ("llama", "chainflow", "chain", None),   # transformers' loop: q-sampled chain, min(1, p/q)
     ("qwen3_5", "oracle", "chain", None),    # own loop (hybrid): the same rule
+    ("qwen3", "chainflow", "chain", None),   # transformers' loop on the third family
     ("llama", "chainflow", "tree", None),    # own loop: greedy tree, children tried as fixed proposals
     ("qwen3", "chainflow", "tree", 3),       # ... plus a prompt-lookup branch
     ("qwen3_5", "oracle", "tree", 3),        # ... on the hybrid target
