@@ -28,16 +28,10 @@ from hf_chainflow.evaluation import evaluate_offline
 SETTINGS = [(1, 1.0), (1, 0.5), (1, 0.75), (1, 0.9), (1, 1.1), (2, 1.0)]  # (Euler steps, step scale alpha)
 
 
-def scaled_integrate(alpha: float):
-    """`ChainFlowDrafter.integrate` with each step `z <- z + alpha * v(z, s, c) / N`."""
-    def integrate(self, z0, context, context_mask=None, num_steps=1, return_trajectory=False):
-        z, trajectory = z0, []
-        for n in range(num_steps):
-            s = torch.full((z.shape[0],), n / num_steps, device=z.device, dtype=z.dtype)
-            z = z + alpha * self.velocity(z, s, context, context_mask) / num_steps
-            trajectory.append(z)
-        return torch.stack(trajectory, 1) if return_trajectory else z
-    return integrate
+def scale_velocity(drafter: ChainFlowDrafter, alpha: float):
+    """Make each Euler step of `drafter` `z <- z + alpha * v(z, s, c) / N` (a forward hook on its velocity
+    network, on this instance only); returns the hook's handle: `.remove()` undoes it."""
+    return drafter.velocity.register_forward_hook(lambda module, inputs, v: alpha * v)
 
 
 def main() -> None:
@@ -58,26 +52,24 @@ def main() -> None:
     def stack(key):
         return torch.stack([torch.as_tensor(w[key]) for w in batch])
 
-    original, results = ChainFlowDrafter.integrate, {}
-    try:
-        for steps, alpha in SETTINGS:
-            ChainFlowDrafter.integrate = scaled_integrate(alpha)
-            with torch.no_grad():
-                ctx, cmask = stack("context_states").float(), stack("context_mask")
-                tgt, tmask = stack("target_states").float(), stack("target_mask").bool()
-                pred = drafter.predict_states(ctx, cmask, num_flow_steps=steps).float()
-                err = (pred - tgt).pow(2).sum(-1) / tgt.pow(2).sum(-1).clamp(min=1e-6)  # (B, K)
-                per_k = [err[:, k][tmask[:, k]].mean().item() for k in range(err.shape[1])]
-            r = evaluate_offline(drafter, data, num_tokens=3, max_windows=3000, tree=(8, 4), tree_budget=12,
-                                 max_tree_windows=400, num_flow_steps=steps, walk_sequences=64, progress=False)
-            results[f"N={steps} alpha={alpha}"] = dict(
-                rel_err_per_k=per_k, tau=r["tau"], acc=r["acceptance"], tree=r["tree"]["tau"],
-                walk_chain=r["walk"]["chain"]["tau"], walk_tree=r["walk"]["tree"]["tau"])
-            print(f"N={steps} alpha={alpha}: relerr k1..4 {[round(x, 3) for x in per_k[:4]]} chain tau "
-                  f"{r['tau']:.3f} acc {[round(a, 3) for a in r['acceptance']]} tree {r['tree']['tau']:.3f} "
-                  f"walk chain {r['walk']['chain']['tau']:.3f} tree {r['walk']['tree']['tau']:.3f}", flush=True)
-    finally:
-        ChainFlowDrafter.integrate = original
+    results = {}
+    for steps, alpha in SETTINGS:
+        hook = scale_velocity(drafter, alpha)
+        with torch.no_grad():
+            ctx, cmask = stack("context_states").float(), stack("context_mask")
+            tgt, tmask = stack("target_states").float(), stack("target_mask").bool()
+            pred = drafter.predict_states(ctx, cmask, num_flow_steps=steps).float()
+            err = (pred - tgt).pow(2).sum(-1) / tgt.pow(2).sum(-1).clamp(min=1e-6)  # (B, K)
+            per_k = [err[:, k][tmask[:, k]].mean().item() for k in range(err.shape[1])]
+        r = evaluate_offline(drafter, data, num_tokens=3, max_windows=3000, tree=(8, 4), tree_budget=12,
+                             max_tree_windows=400, num_flow_steps=steps, walk_sequences=64, progress=False)
+        results[f"N={steps} alpha={alpha}"] = dict(
+            rel_err_per_k=per_k, tau=r["tau"], acc=r["acceptance"], tree=r["tree"]["tau"],
+            walk_chain=r["walk"]["chain"]["tau"], walk_tree=r["walk"]["tree"]["tau"])
+        print(f"N={steps} alpha={alpha}: relerr k1..4 {[round(x, 3) for x in per_k[:4]]} chain tau "
+              f"{r['tau']:.3f} acc {[round(a, 3) for a in r['acceptance']]} tree {r['tree']['tau']:.3f} "
+              f"walk chain {r['walk']['chain']['tau']:.3f} tree {r['walk']['tree']['tau']:.3f}", flush=True)
+        hook.remove()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
