@@ -351,8 +351,8 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     Resumable: the first run fixes the plan (`plan.json`); a later run with the same inputs skips finished shards
     (each shard is written atomically and then recorded in the manifest). "The same inputs": the same settings,
     ids and order (`plan_sha256`) and the same prompt and supplied-response token ids (`inputs_sha256`, so another
-    chat template or prompt column is refused too); anything else raises before any work. `max_shards` stops after that many new
-    shards (e.g. to process part of the data now). Returns the manifest.
+    chat template or prompt column is refused too); anything else raises before any work. `max_shards` stops
+    after that many new shards (e.g. to process part of the data now). Returns the manifest.
 
     - `prompts`: JSONL path / `datasets.Dataset` / dicts (see `load_prompts`); `None` uses the `responses` rows.
     - `responses`: already-generated responses (see `load_responses`); rows they cover are not generated.
