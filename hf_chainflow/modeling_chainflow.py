@@ -8,6 +8,7 @@ its parents are `x_{t+i-p+1 .. t+i}`.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -430,6 +431,65 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 "This ChainFlowDrafter is not bound to a target: call `drafter.bind_target(target)` or load it with "
                 "`ChainFlowDrafter.from_pretrained(path, target=target)` before drafting or training."
             )
+
+    # ------------------------------------------------------------------ growing a trained drafter
+    @torch.no_grad()
+    def resize_path_head(self, new_width: int) -> "ChainFlowDrafter":
+        """Widen the path head `r` to `new_width` hidden units without changing what the drafter computes.
+
+        Like `resize_token_embeddings`, for warm-starting a larger head from a trained drafter. The old units keep
+        their weights; the new ones are initialised as in `post_init` (normal, std `initializer_range`) and reach
+        the output through zero columns of `out`, and no old unit reads a new one, so every output is unchanged
+        until training moves those columns. Sets `config.path_hidden_size`. Raises a `ValueError` (and changes
+        nothing) without a path head, when `new_width` is not larger than the current width, or when a LoRA
+        adapter wraps the head's layers (merge it first).
+        """
+        head = self.path_head
+        if head is None:
+            raise ValueError(
+                f"`resize_path_head` needs a path head, but this drafter has `feedback={self.config.feedback!r}`. "
+                f"Only drafters with `feedback='markov+path'` have one."
+            )
+        old = self.config.path_hidden_size
+        if not isinstance(new_width, int) or isinstance(new_width, bool) or new_width <= old:
+            raise ValueError(
+                f"`new_width` must be an int larger than the current `path_hidden_size` ({old}), got {new_width!r}. "
+                f"Only widening keeps the drafter's outputs; to shrink the head, train a new drafter."
+            )
+        layers = {"state_proj": head.state_proj, "mlp.1": head.mlp[1], "out": head.out}
+        wrapped = [name for name, layer in layers.items() if type(layer) is not nn.Linear]
+        if wrapped:
+            raise ValueError(
+                f"The path head's {wrapped} are wrapped ({[type(layers[n]).__name__ for n in wrapped]}), e.g. by a "
+                f"LoRA adapter. Merge the adapter (`merge_and_unload()`) before `resize_path_head`."
+            )
+        std = self.config.initializer_range
+        ref = head.offset_proj
+        new_cfg = copy.deepcopy(self.config)
+        new_cfg.path_hidden_size = new_width
+        new = ChainFlowPathHead(new_cfg).to(device=ref.device, dtype=ref.dtype)
+        R = old
+        new.offset_proj.normal_(std=std)
+        new.offset_proj[:, :, :R] = head.offset_proj  # (p, D, R') ← old units first
+        new.state_proj.weight.normal_(std=std)
+        new.state_proj.weight[:R] = head.state_proj.weight  # (R', D)
+        new.state_proj.bias.zero_()
+        new.state_proj.bias[:R] = head.state_proj.bias
+        hidden, old_hidden = new.mlp[1], head.mlp[1]
+        hidden.weight.normal_(std=std)  # (R', R'): rows are outputs, columns inputs
+        hidden.weight[:R, :R] = old_hidden.weight
+        hidden.weight[:R, R:] = 0.0  # old units do not read new ones
+        hidden.bias.zero_()
+        hidden.bias[:R] = old_hidden.bias
+        new.out.weight.zero_()
+        new.out.weight[:, :R] = head.out.weight  # (D, R'): new columns zero, so `r` is unchanged
+        new.out.bias.copy_(head.out.bias)
+        for p_new, p_old in zip(new.parameters(), head.parameters()):
+            p_new.requires_grad_(p_old.requires_grad)
+        self.path_head = new
+        self.config.path_hidden_size = new_width
+        self._serving_feedback_cache = None
+        return self
 
     def draft_head_weight(self) -> torch.Tensor:
         """The target's `lm_head` rows of the draft vocabulary `(S, D)`, detached, in the drafter's dtype.

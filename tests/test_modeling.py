@@ -234,6 +234,65 @@ def test_save_load_round_trip(target, context, tmp_path):
         assert torch.allclose(a.logprobs, b.logprobs)
 
 
+def test_resize_path_head_keeps_outputs_and_trains_the_new_units(target, context, tmp_path):
+    """Widening the path head of a trained drafter changes nothing it computes; the new units then learn."""
+    ids, hidden = context
+    drafter = make(target, serving_head_dtype="float32").bind_target(target)
+    _randomise_feedback(drafter)
+    B, C, K, p, D = 2, 8, 8, 8, 64
+    gen = torch.Generator().manual_seed(3)
+    batch = dict(context_states=torch.randn(B, C, D, generator=gen), target_states=torch.randn(B, K, D, generator=gen),
+                 target_tokens=torch.randint(0, 256, (B, K), generator=gen),
+                 prev_tokens=torch.randint(0, 256, (B, p - 1 + K), generator=gen))
+    torch.manual_seed(0)
+    before = drafter(**batch)
+    chains = [drafter.draft(hidden, ids, mode=m, num_tokens=4, tree_width=4, tree_depth=3) for m in ("chain", "tree")]
+    old_out = drafter.path_head.out.weight.clone()
+
+    assert drafter.resize_path_head(48) is drafter
+    assert drafter.config.path_hidden_size == 48
+    assert drafter.path_head.offset_proj.shape == (p, D, 48) and drafter.path_head.out.weight.shape == (D, 48)
+    assert torch.equal(drafter.path_head.out.weight[:, :32], old_out)
+    assert not drafter.path_head.out.weight[:, 32:].any() and drafter.path_head.offset_proj[:, :, 32:].any()
+    torch.manual_seed(0)
+    after = drafter(**batch)
+    for field in ("corrected_states", "logits", "marginal_logits"):
+        torch.testing.assert_close(getattr(after, field), getattr(before, field), rtol=1e-5, atol=1e-5)
+    for mode, old in zip(("chain", "tree"), chains):  # served through the refolded feedback weights
+        new = drafter.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=4, tree_depth=3)
+        assert torch.equal(new.tokens, old.tokens) and torch.equal(new.parents, old.parents)
+        torch.testing.assert_close(new.logprobs, old.logprobs, rtol=1e-5, atol=1e-5)
+
+    drafter.train()
+    drafter(**batch).logits.logsumexp(-1).mean().backward()
+    assert drafter.path_head.out.weight.grad[:, 32:].abs().sum() > 0  # the new columns receive gradient
+
+    drafter.save_pretrained(tmp_path)
+    loaded = ChainFlowDrafter.from_pretrained(tmp_path)
+    assert loaded.config.path_hidden_size == 48
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_resize_path_head_errors_change_nothing(target):
+    drafter = make(target).bind_target(target)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    for width, needle in [(32, r"larger than the current `path_hidden_size` \(32\), got 32"),
+                          (16, "got 16"), (40.0, "got 40.0"), (True, "got True")]:
+        with pytest.raises(ValueError, match=needle):
+            drafter.resize_path_head(width)
+    with pytest.raises(ValueError, match="`feedback='markov'`"):
+        make(target, feedback="markov").resize_path_head(64)
+    assert drafter.config.path_hidden_size == 32
+    assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
+    from hf_chainflow.adapters import add_language_adapter
+
+    peft_model = add_language_adapter(drafter, "de")
+    with pytest.raises(ValueError, match=r"wrapped .* Merge the adapter"):
+        peft_model.base_model.model.resize_path_head(64)
+    assert drafter.config.path_hidden_size == 32
+
+
 def test_generation_config_subfolder_hub_cache_and_main_process(target, tmp_path):
     drafter = make(target)
     drafter.generation_config.draft_mode, drafter.generation_config.tree_budget = "tree", 12
