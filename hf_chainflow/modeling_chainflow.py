@@ -232,6 +232,15 @@ class ChainFlowMarkovHead(nn.Module):
         return F.linear(self.u1(prev_index), self.u2 if u2 is None else u2)
 
 
+def _check_growth(arg: str, value, field: str, current: int) -> None:
+    """`ValueError` unless `value` is an int larger than `config.<field>` (`current`): growing keeps outputs."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= current:
+        raise ValueError(
+            f"`{arg}` must be an int larger than the current `{field}` ({current}), got {value!r}. Only growing a "
+            f"head keeps the drafter's outputs; for a smaller one, train a new drafter."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Outputs
 # ----------------------------------------------------------------------------------------------------------------
@@ -451,11 +460,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 f"Only drafters with `feedback='markov+path'` have one."
             )
         old = self.config.path_hidden_size
-        if not isinstance(new_width, int) or isinstance(new_width, bool) or new_width <= old:
-            raise ValueError(
-                f"`new_width` must be an int larger than the current `path_hidden_size` ({old}), got {new_width!r}. "
-                f"Only widening keeps the drafter's outputs; to shrink the head, train a new drafter."
-            )
+        _check_growth("new_width", new_width, "path_hidden_size", old)
         layers = {"state_proj": head.state_proj, "mlp.1": head.mlp[1], "out": head.out}
         wrapped = [name for name, layer in layers.items() if type(layer) is not nn.Linear]
         if wrapped:
@@ -488,6 +493,42 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             p_new.requires_grad_(p_old.requires_grad)
         self.path_head = new
         self.config.path_hidden_size = new_width
+        self._serving_feedback_cache = None
+        return self
+
+    @torch.no_grad()
+    def resize_markov_head(self, new_rank: int) -> "ChainFlowDrafter":
+        """Raise the Markov head's rank to `new_rank` without changing what the drafter computes.
+
+        The bias is `U2·U1[x]`: the new columns of `U1` are initialised as in `post_init` (normal, std
+        `initializer_range`) and those of `U2` are zero, so every output is unchanged until training moves them.
+        Sets `config.markov_rank`. Raises a `ValueError` (and changes nothing) without a Markov head, when
+        `new_rank` is not larger than the current rank, or when a LoRA adapter wraps `U1` (merge it first).
+        """
+        head = self.markov_head
+        if head is None:
+            raise ValueError(
+                f"`resize_markov_head` needs a Markov head, but this drafter has `feedback={self.config.feedback!r}`."
+                f" Drafters with `feedback='markov'` or `'markov+path'` have one."
+            )
+        old = self.config.markov_rank
+        _check_growth("new_rank", new_rank, "markov_rank", old)
+        if type(head.u1) is not nn.Embedding:
+            raise ValueError(
+                f"The Markov head's `u1` is wrapped ({type(head.u1).__name__}), e.g. by a LoRA adapter. Merge the "
+                f"adapter (`merge_and_unload()`) before `resize_markov_head`."
+            )
+        ref = head.u2
+        new = ChainFlowMarkovHead(head.u1.num_embeddings, ref.shape[0], new_rank).to(device=ref.device,
+                                                                                      dtype=ref.dtype)
+        new.u1.weight.normal_(std=self.config.initializer_range)
+        new.u1.weight[:, :old] = head.u1.weight  # (S + 1, r') ← old columns first
+        new.u2.zero_()
+        new.u2[:, :old] = head.u2  # (S, r'): new columns zero, so `U2·U1[x]` is unchanged
+        new.u1.weight.requires_grad_(head.u1.weight.requires_grad)
+        new.u2.requires_grad_(head.u2.requires_grad)
+        self.markov_head = new
+        self.config.markov_rank = new_rank
         self._serving_feedback_cache = None
         return self
 

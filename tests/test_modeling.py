@@ -234,8 +234,8 @@ def test_save_load_round_trip(target, context, tmp_path):
         assert torch.allclose(a.logprobs, b.logprobs)
 
 
-def test_resize_path_head_keeps_outputs_and_trains_the_new_units(target, context, tmp_path):
-    """Widening the path head of a trained drafter changes nothing it computes; the new units then learn."""
+def test_resizing_feedback_heads_keeps_outputs_and_trains_the_new_units(target, context, tmp_path):
+    """Growing the feedback heads of a trained drafter changes nothing it computes; the new units then learn."""
     ids, hidden = context
     drafter = make(target, serving_head_dtype="float32").bind_target(target)
     _randomise_feedback(drafter)
@@ -250,7 +250,10 @@ def test_resize_path_head_keeps_outputs_and_trains_the_new_units(target, context
     old_out = drafter.path_head.out.weight.clone()
 
     assert drafter.resize_path_head(48) is drafter
-    assert drafter.config.path_hidden_size == 48
+    assert drafter.resize_markov_head(24) is drafter
+    assert drafter.config.path_hidden_size == 48 and drafter.config.markov_rank == 24
+    assert drafter.markov_head.u1.weight.shape[1] == drafter.markov_head.u2.shape[1] == 24
+    assert not drafter.markov_head.u2[:, 16:].any() and drafter.markov_head.u1.weight[:, 16:].any()
     assert drafter.path_head.offset_proj.shape == (p, D, 48) and drafter.path_head.out.weight.shape == (D, 48)
     assert torch.equal(drafter.path_head.out.weight[:, :32], old_out)
     assert not drafter.path_head.out.weight[:, 32:].any() and drafter.path_head.offset_proj[:, :, 32:].any()
@@ -266,15 +269,16 @@ def test_resize_path_head_keeps_outputs_and_trains_the_new_units(target, context
     drafter.train()
     drafter(**batch).logits.logsumexp(-1).mean().backward()
     assert drafter.path_head.out.weight.grad[:, 32:].abs().sum() > 0  # the new columns receive gradient
+    assert drafter.markov_head.u2.grad[:, 16:].abs().sum() > 0
 
     drafter.save_pretrained(tmp_path)
     loaded = ChainFlowDrafter.from_pretrained(tmp_path)
-    assert loaded.config.path_hidden_size == 48
+    assert loaded.config.path_hidden_size == 48 and loaded.config.markov_rank == 24
     for k, v in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
-def test_resize_path_head_errors_change_nothing(target):
+def test_resizing_feedback_heads_errors_change_nothing(target):
     drafter = make(target).bind_target(target)
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     for width, needle in [(32, r"larger than the current `path_hidden_size` \(32\), got 32"),
@@ -283,14 +287,20 @@ def test_resize_path_head_errors_change_nothing(target):
             drafter.resize_path_head(width)
     with pytest.raises(ValueError, match="`feedback='markov'`"):
         make(target, feedback="markov").resize_path_head(64)
-    assert drafter.config.path_hidden_size == 32
+    with pytest.raises(ValueError, match=r"larger than the current `markov_rank` \(16\), got 8"):
+        drafter.resize_markov_head(8)
+    with pytest.raises(ValueError, match="`feedback='none'`"):
+        make(target, feedback="none").resize_markov_head(64)
+    assert drafter.config.path_hidden_size == 32 and drafter.config.markov_rank == 16
     assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
     from hf_chainflow.adapters import add_language_adapter
 
     peft_model = add_language_adapter(drafter, "de")
     with pytest.raises(ValueError, match=r"wrapped .* Merge the adapter"):
         peft_model.base_model.model.resize_path_head(64)
-    assert drafter.config.path_hidden_size == 32
+    with pytest.raises(ValueError, match=r"`u1` is wrapped .* Merge the adapter"):
+        peft_model.base_model.model.resize_markov_head(64)
+    assert drafter.config.path_hidden_size == 32 and drafter.config.markov_rank == 16
 
 
 def test_generation_config_subfolder_hub_cache_and_main_process(target, tmp_path):

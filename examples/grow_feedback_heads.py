@@ -1,10 +1,12 @@
-"""Widen the path head of a trained ChainFlow drafter (`ChainFlowDrafter.resize_path_head`) and save the copy.
+"""Grow the feedback heads of a trained ChainFlow drafter and save the copy.
 
-The copy computes exactly what the original does until it is trained (`hf-chainflow train --init-from OUT`); this
-script checks that on random training windows before saving (the corrected states and the logits must agree).
+`--path-width` widens the path head (`ChainFlowDrafter.resize_path_head`), `--markov-rank` raises the Markov head's
+rank (`resize_markov_head`). The copy computes exactly what the original does until it is trained (`hf-chainflow
+train --init-from OUT`); this script checks that on random training windows before saving (the corrected states
+and the logits must agree).
 
-    python examples/widen_path_head.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct --width 512 \
-        --out runs/pathprobe/init
+    python examples/grow_feedback_heads.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct \
+        --path-width 512 --out runs/pathprobe/init
 """
 
 import argparse
@@ -12,6 +14,7 @@ import argparse
 import torch
 
 from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.targets import load_target
 
 
 def random_windows(drafter, batch: int = 4):
@@ -37,26 +40,31 @@ def forward(drafter, batch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", required=True, help="folder of the trained ChainFlow drafter")
-    parser.add_argument("--width", type=int, required=True, help="new `path_hidden_size` (larger than the current)")
-    parser.add_argument("--out", required=True, help="folder for the widened copy")
+    parser.add_argument("--path-width", type=int, help="new `path_hidden_size` (larger than the current)")
+    parser.add_argument("--markov-rank", type=int, help="new `markov_rank` (larger than the current)")
+    parser.add_argument("--out", required=True, help="folder for the grown copy")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="target to bind for the check")
     args = parser.parse_args()
-
-    from hf_chainflow.targets import load_target
+    if args.path_width is None and args.markov_rank is None:
+        parser.error("give --path-width, --markov-rank or both")
 
     target, _ = load_target(args.target, dtype=torch.float32)
     drafter = ChainFlowDrafter.from_pretrained(args.drafter, target=target, dtype=torch.float32).eval()
     batch = random_windows(drafter)
     before = forward(drafter, batch)
-    width = drafter.config.path_hidden_size
-    drafter.resize_path_head(args.width)
+    sizes = {"path_hidden_size": drafter.config.path_hidden_size, "markov_rank": drafter.config.markov_rank}
+    if args.path_width is not None:
+        drafter.resize_path_head(args.path_width)
+    if args.markov_rank is not None:
+        drafter.resize_markov_head(args.markov_rank)
     after = forward(drafter, batch)
     for field in ("corrected_states", "logits"):
         gap = (getattr(after, field) - getattr(before, field)).abs().max().item()
-        print(f"{field}: largest difference after widening {gap:.3g}")
+        print(f"{field}: largest difference after growing {gap:.3g}")
         torch.testing.assert_close(getattr(after, field), getattr(before, field), rtol=1e-5, atol=1e-5)
     drafter.save_pretrained(args.out)
-    print(f"path head {width} -> {args.width} units; saved to {args.out}")
+    grown = {k: f"{v} -> {getattr(drafter.config, k)}" for k, v in sizes.items()}
+    print(f"{grown}; saved to {args.out}")
 
 
 if __name__ == "__main__":
