@@ -232,15 +232,6 @@ class ChainFlowMarkovHead(nn.Module):
         return F.linear(self.u1(prev_index), self.u2 if u2 is None else u2)
 
 
-def _check_growth(arg: str, value, field: str, current: int) -> None:
-    """`ValueError` unless `value` is an int larger than `config.<field>` (`current`): growing keeps outputs."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= current:
-        raise ValueError(
-            f"`{arg}` must be an int larger than the current `{field}` ({current}), got {value!r}. Only growing a "
-            f"head keeps the drafter's outputs; for a smaller one, train a new drafter."
-        )
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Outputs
 # ----------------------------------------------------------------------------------------------------------------
@@ -442,6 +433,32 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             )
 
     # ------------------------------------------------------------------ growing a trained drafter
+    def _check_resize(self, method: str, head: nn.Module | None, what: str, arg: str, value, field: str,
+                      plain: dict[str, type]) -> None:
+        """Checks shared by the `resize_*_head` methods; `ValueError` before anything changes.
+
+        `head` must exist, `value` must be an int larger than `config.<field>`, and each submodule of `head` named
+        in `plain` must still be of its plain type (not wrapped by an adapter).
+        """
+        if head is None:
+            raise ValueError(
+                f"`{method}` needs a {what}, but this drafter has `feedback={self.config.feedback!r}`: 'markov+path' "
+                f"has both feedback heads, 'markov' only the Markov head, 'none' neither. Grow a head it has."
+            )
+        current = getattr(self.config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= current:
+            raise ValueError(
+                f"`{arg}` must be an int larger than the current `{field}` ({current}), got {value!r}. Only growing "
+                f"a head keeps the drafter's outputs; for a smaller one, train a new drafter."
+            )
+        found = {name: type(head.get_submodule(name)) for name in plain}
+        wrapped = {name: kind.__name__ for name, kind in found.items() if kind is not plain[name]}
+        if wrapped:
+            raise ValueError(
+                f"The {what}'s layers {wrapped} are wrapped, e.g. by a LoRA adapter. Merge the adapter "
+                f"(`merge_and_unload()`) before `{method}`."
+            )
+
     @torch.no_grad()
     def resize_path_head(self, new_width: int) -> "ChainFlowDrafter":
         """Widen the path head `r` to `new_width` hidden units without changing what the drafter computes.
@@ -454,20 +471,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         adapter wraps the head's layers (merge it first).
         """
         head = self.path_head
-        if head is None:
-            raise ValueError(
-                f"`resize_path_head` needs a path head, but this drafter has `feedback={self.config.feedback!r}`. "
-                f"Only drafters with `feedback='markov+path'` have one."
-            )
+        self._check_resize("resize_path_head", head, "path head", "new_width", new_width, "path_hidden_size",
+                           {"state_proj": nn.Linear, "mlp.1": nn.Linear, "out": nn.Linear})
         old = self.config.path_hidden_size
-        _check_growth("new_width", new_width, "path_hidden_size", old)
-        layers = {"state_proj": head.state_proj, "mlp.1": head.mlp[1], "out": head.out}
-        wrapped = [name for name, layer in layers.items() if type(layer) is not nn.Linear]
-        if wrapped:
-            raise ValueError(
-                f"The path head's {wrapped} are wrapped ({[type(layers[n]).__name__ for n in wrapped]}), e.g. by a "
-                f"LoRA adapter. Merge the adapter (`merge_and_unload()`) before `resize_path_head`."
-            )
         std = self.config.initializer_range
         ref = head.offset_proj
         new_cfg = copy.deepcopy(self.config)
@@ -506,18 +512,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         `new_rank` is not larger than the current rank, or when a LoRA adapter wraps `U1` (merge it first).
         """
         head = self.markov_head
-        if head is None:
-            raise ValueError(
-                f"`resize_markov_head` needs a Markov head, but this drafter has `feedback={self.config.feedback!r}`."
-                f" Drafters with `feedback='markov'` or `'markov+path'` have one."
-            )
+        self._check_resize("resize_markov_head", head, "Markov head", "new_rank", new_rank, "markov_rank",
+                           {"u1": nn.Embedding})
         old = self.config.markov_rank
-        _check_growth("new_rank", new_rank, "markov_rank", old)
-        if type(head.u1) is not nn.Embedding:
-            raise ValueError(
-                f"The Markov head's `u1` is wrapped ({type(head.u1).__name__}), e.g. by a LoRA adapter. Merge the "
-                f"adapter (`merge_and_unload()`) before `resize_markov_head`."
-            )
         ref = head.u2
         new = ChainFlowMarkovHead(head.u1.num_embeddings, ref.shape[0], new_rank).to(device=ref.device,
                                                                                       dtype=ref.dtype)

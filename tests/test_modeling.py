@@ -296,9 +296,9 @@ def test_resizing_feedback_heads_errors_change_nothing(target):
     from hf_chainflow.adapters import add_language_adapter
 
     peft_model = add_language_adapter(drafter, "de")
-    with pytest.raises(ValueError, match=r"wrapped .* Merge the adapter"):
+    with pytest.raises(ValueError, match=r"path head.s layers .* are wrapped, .* Merge the adapter"):
         peft_model.base_model.model.resize_path_head(64)
-    with pytest.raises(ValueError, match=r"`u1` is wrapped .* Merge the adapter"):
+    with pytest.raises(ValueError, match=r"layers {.u1.: .*} are wrapped"):
         peft_model.base_model.model.resize_markov_head(64)
     assert drafter.config.path_hidden_size == 32 and drafter.config.markov_rank == 16
 
