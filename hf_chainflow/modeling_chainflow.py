@@ -473,13 +473,11 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         head = self.path_head
         self._check_resize("resize_path_head", head, "path head", "new_width", new_width, "path_hidden_size",
                            {"state_proj": nn.Linear, "mlp.1": nn.Linear, "out": nn.Linear})
-        old = self.config.path_hidden_size
-        std = self.config.initializer_range
+        R, std = self.config.path_hidden_size, self.config.initializer_range
         ref = head.offset_proj
         new_cfg = copy.deepcopy(self.config)
         new_cfg.path_hidden_size = new_width
         new = ChainFlowPathHead(new_cfg).to(device=ref.device, dtype=ref.dtype)
-        R = old
         new.offset_proj.normal_(std=std)
         new.offset_proj[:, :, :R] = head.offset_proj  # (p, D, R') ← old units first
         new.state_proj.weight.normal_(std=std)
