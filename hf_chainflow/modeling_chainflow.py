@@ -475,7 +475,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                            {"state_proj": nn.Linear, "mlp.1": nn.Linear, "out": nn.Linear})
         R, std = self.config.path_hidden_size, self.config.initializer_range
         ref = head.offset_proj
-        new_cfg = copy.deepcopy(self.config)
+        new_cfg = copy.copy(self.config)  # a shallow copy: only the width differs, the head reads no list
         new_cfg.path_hidden_size = new_width
         new = ChainFlowPathHead(new_cfg).to(device=ref.device, dtype=ref.dtype)
         new.offset_proj.normal_(std=std)
