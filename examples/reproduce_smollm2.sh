@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same four-stage recipe on the same data, offline tau on the held-out
-# shards 21-25. The third and fourth stages each first generate the target's responses to 1,536 more training
-# prompts (about 50 minutes each on a 2-core CPU; minutes with `--device cuda`).
+# FlashMap-style comparison trained with the same recipe on the same data (four stages; ChainFlow has a fifth, on a
+# fifth round of responses), offline tau on the held-out shards 21-25. The third, fourth and fifth stages each
+# first generate the target's responses to 1,536 more training prompts (about 50 minutes each on a 2-core CPU with
+# AMX, 2.4 hours without; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
 set -euo pipefail
 SHARED=${1:-../shared}
@@ -12,7 +13,7 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
     --shard-size 128 --shuffle-seed 0 --threads 1
 # Stage 1: shards 0-6, 3000 steps (fresh drafters). Stage 2: shards 0-20, 6000 steps, warm-started. More-data
 # stage: 6000 steps on the new responses + replay, warm-started. Round 4: 3000 steps on a fourth round of responses
-# + replay, warm-started.
+# + replay, warm-started. Round 5 (ChainFlow only): 2000 steps at lr 1e-4 on a fifth round + shards 0-3 replayed.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
@@ -26,6 +27,18 @@ python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train
     --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2027 --out "$OUT/more2/prompts.jsonl"
 hf-chainflow prepare --prompts "$OUT/more2/prompts.jsonl" --out "$OUT/more2/data" --shard-size 128 \
     --shuffle-seed 0 --batch-size 32
+# The fifth round excludes 64 prompts held out for the probes of docs/training.md (seed 3030) as well; it was
+# generated in float32 on a CPU without bfloat16 matrix instructions.
+python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
+    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
+    --exclude "$OUT/more2/prompts.jsonl" --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 8 \
+    --seed 3030 --out "$OUT/heldout/prompts.jsonl"
+python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
+    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
+    --exclude "$OUT/more2/prompts.jsonl" --exclude "$OUT/heldout/prompts.jsonl" \
+    --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2028 --out "$OUT/more3/prompts.jsonl"
+hf-chainflow prepare --prompts "$OUT/more3/prompts.jsonl" --out "$OUT/more3/data" --shard-size 128 \
+    --shuffle-seed 0 --batch-size 32 --dtype float32
 for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_stage2.yaml --init-from "$OUT/$name-stage1" \
         --data "$OUT/data" --out "$OUT/$name-stage2"
@@ -34,7 +47,13 @@ for name in chainflow flashmap; do
         --data "$OUT/more/data" --replay "$OUT/data" --out "$OUT/$name-more"
     # Round 4: a fourth round of 1,536 new responses, the same replay, half the steps.
     hf-chainflow train --config examples/train_smollm2_round4.yaml --init-from "$OUT/$name-more" \
-        --data "$OUT/more2/data" --replay "$OUT/data" --out "$OUT/$name"
+        --data "$OUT/more2/data" --replay "$OUT/data" --out "$OUT/$name-round4"
+done
+# Round 5, ChainFlow only (the shipped FlashMap-style drafter is the round-4 one): the fifth round's 1,536 responses,
+# shards 0-3 of the shared responses replayed as half of the mix, a quarter of the learning rate.
+hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/chainflow-round4" \
+    --data "$OUT/more3/data" --shards 0-11 --replay "$OUT/data" --lr 1e-4 --threads 2 --out "$OUT/chainflow"
+for name in chainflow flashmap-round4; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
         --max-windows 4000 --tree 8x4 --tree-budget 12 --max-tree-windows 600 --threads 1
 done

@@ -18,6 +18,7 @@ Language adaptation (warm start at a lower learning rate, replay of earlier-lang
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments, default_da
 
 from .losses import DEFAULT_LOSS_WEIGHTS, chainflow_loss, reconstruction_loss
 from .modeling_chainflow import ChainFlowDrafter
+
+logger = logging.getLogger(__name__)
 
 # The drafter's training-forward inputs; other keys of a batch (e.g. `domain`) are not passed to it.
 FORWARD_KEYS = ("context_states", "target_states", "target_tokens", "prev_tokens", "context_mask", "target_mask")
@@ -169,6 +172,12 @@ class ChainFlowTrainer(Trainer):
         except BaseException:
             drafter._bound, drafter._draft_head_cache, drafter.shortlist_ids, drafter.config.train_flow_steps = before
             raise
+        if drafter.config.train_flow_steps != before[3]:
+            # The override is saved with the drafter and changes what its loss trains: say so once, here.
+            logger.warning(f"`train_flow_steps={drafter.config.train_flow_steps}` overrides the drafter config's "
+                           f"{before[3]}: the loss now scores a {drafter.config.train_flow_steps}-step trajectory and "
+                           f"the saved config records it; the drafter still serves "
+                           f"`num_flow_steps={drafter.config.num_flow_steps}`.")
         # `compute_loss` returns a per-batch mean: let the Trainer divide it for gradient accumulation, and do not
         # pass `num_items_in_batch` into the drafter's forward.
         self.model_accepts_loss_kwargs = False

@@ -180,12 +180,19 @@ def test_vae_pretraining_trains_only_the_vae_then_joint_training_runs(target, wi
     assert len(fresh.vae_pretrain_losses) == 2 and fresh.state.global_step == 1
 
 
-def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_path):
+def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_path, caplog):
     drafter = new_drafter(target)
-    trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
+    before = drafter.config.train_flow_steps
+    with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):
+        trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
+    assert f"`train_flow_steps=3` overrides the drafter config's {before}" in caplog.text  # a changed recipe is said
     batch = trainer.data_collator(windows[:2])
     out = drafter(**{k: v for k, v in batch.items() if k != "domain"})
     assert drafter.config.train_flow_steps == 3 and out.predicted_states.shape[1] == 3
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):  # the same value again: nothing to say
+        ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
+    assert "overrides" not in caplog.text
 
 
 def test_replay_mix_fraction_and_determinism():
