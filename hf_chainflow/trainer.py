@@ -156,8 +156,9 @@ class ChainFlowTrainer(Trainer):
         if target is None:
             drafter._require_bound()
         # A construction that raises (here or in `Trainer.__init__`) leaves the drafter as it was given.
+        configured_steps = drafter.config.train_flow_steps
         before = (drafter._bound, getattr(drafter, "_draft_head_cache", None), drafter.shortlist_ids,
-                  drafter.config.train_flow_steps)
+                  configured_steps)
         try:
             if target is not None:
                 drafter.bind_target(target)
@@ -172,10 +173,10 @@ class ChainFlowTrainer(Trainer):
         except BaseException:
             drafter._bound, drafter._draft_head_cache, drafter.shortlist_ids, drafter.config.train_flow_steps = before
             raise
-        if drafter.config.train_flow_steps != before[3]:
+        if drafter.config.train_flow_steps != configured_steps:
             # The override is saved with the drafter and changes what its loss trains: say so once, here.
             logger.warning(f"`train_flow_steps={drafter.config.train_flow_steps}` overrides the drafter config's "
-                           f"{before[3]}: the loss now scores a {drafter.config.train_flow_steps}-step trajectory and "
+                           f"{configured_steps}: the loss now scores a {drafter.config.train_flow_steps}-step trajectory and "
                            f"the saved config records it; the drafter still serves "
                            f"`num_flow_steps={drafter.config.num_flow_steps}`.")
         # `compute_loss` returns a per-batch mean: let the Trainer divide it for gradient accumulation, and do not
