@@ -6,6 +6,9 @@ Every term is a masked *mean*, so the scale of a term does not depend on the bat
 positions `K` or the hidden size.  Shapes: B = batch, K = draft positions, N = flow steps, Z = latent, D = target
 hidden size, S = draft vocabulary.  `labels` index the draft vocabulary, `-100` = ignore (masked position, or a
 token outside the shortlist).  `chainflow_loss` combines the terms from a `ChainFlowDrafterOutput`.
+
+One term outside the SPEC, off by default (`EXTRA_LOSS_WEIGHTS`): `kd`, the KL divergence from the target's own
+next-token distribution (its `lm_head` over the cached true states) to the drafter's corrected one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 # The SPEC's weights, in the order of the equation; keys are the SPEC's subscripts.
 DEFAULT_LOSS_WEIGHTS: dict[str, float] = {"flow": 0.2, "hid": 0.25, "ce": 0.3, "cov": 0.3, "acc": 0.15, "rec": 0.5}
+# Terms this project adds to the SPEC's objective; weight 0 (not computed) unless asked for.
+EXTRA_LOSS_WEIGHTS: dict[str, float] = {"kd": 0.0}
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -75,6 +80,25 @@ def cross_entropy_loss(logits: torch.Tensor, marginal_logits: torch.Tensor | Non
     if marginal_logits is not None and marginal_weight:
         loss = loss + marginal_weight * _ce(marginal_logits, labels)
     return loss
+
+
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """`L_kd = T^2 KL(softmax(teacher / T) || softmax(logits / T))`, a masked mean over draft positions.
+
+    logits (the drafter's corrected logits) and teacher_logits (the target's logits at the same positions, over the
+    same draft vocabulary) `(B, K, S)`; mask `(B, K)`.  The teacher gets no gradient.  `T^2` keeps the gradient's
+    scale independent of the temperature (Hinton et al., 2015).
+    """
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+    if teacher_logits.shape != logits.shape:
+        raise ValueError(f"`teacher_logits` must have the shape of `logits` {tuple(logits.shape)}, got "
+                         f"{tuple(teacher_logits.shape)}.")
+    log_q = torch.log_softmax(logits.float() / temperature, -1)  # (B, K, S) drafter
+    log_p = torch.log_softmax(teacher_logits.detach().float() / temperature, -1)  # (B, K, S) target
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, K)
+    return _masked_mean(kl, mask) * temperature ** 2
 
 
 def coverage_loss(logits: torch.Tensor, labels: torch.Tensor, top_b: int = 8, margin: float = 1.0) -> torch.Tensor:
@@ -144,25 +168,30 @@ def reconstruction_loss(reconstructed: torch.Tensor | None, targets: torch.Tenso
 
 
 def chainflow_loss(output, weights: Mapping[str, float] | None = None, *, gamma: float = 0.8, top_b: int = 8,
-                   coverage_margin: float = 1.0, kl_beta: float = 3e-5, marginal_weight: float = 0.2
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   coverage_margin: float = 1.0, kl_beta: float = 3e-5, marginal_weight: float = 0.2,
+                   kd_temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The full objective from a `ChainFlowDrafterOutput`.
 
     Args:
         output: the drafter's training forward output.
-        weights: term weights by name (`flow`, `hid`, `ce`, `cov`, `acc`, `rec`); missing names take the SPEC
-            defaults `DEFAULT_LOSS_WEIGHTS`; a zero weight skips the term (it is not computed).
-        gamma, top_b, coverage_margin, kl_beta, marginal_weight: see the term functions.
+        weights: term weights by name (`flow`, `hid`, `ce`, `cov`, `acc`, `rec`, and `kd`); missing names take the
+            SPEC defaults `DEFAULT_LOSS_WEIGHTS` (`kd`: 0); a zero weight skips the term (it is not computed).  A
+            nonzero `kd` needs `output.teacher_logits` (the drafter's forward with `return_teacher_logits=True`).
+        gamma, top_b, coverage_margin, kl_beta, marginal_weight, kd_temperature: see the term functions.
 
     Returns:
         `(total, terms)`: the weighted sum and each *unweighted* term (scalars).
     """
     weights = dict(weights or {})
-    unknown = sorted(set(weights) - set(DEFAULT_LOSS_WEIGHTS))
+    known = {**DEFAULT_LOSS_WEIGHTS, **EXTRA_LOSS_WEIGHTS}
+    unknown = sorted(set(weights) - set(known))
     if unknown:
-        raise ValueError(f"`weights` has unknown term(s) {unknown}; valid names are {list(DEFAULT_LOSS_WEIGHTS)}.")
-    w = {**DEFAULT_LOSS_WEIGHTS, **weights}
+        raise ValueError(f"`weights` has unknown term(s) {unknown}; valid names are {list(known)}.")
+    w = {**known, **weights}
     o = output
+    if w["kd"] and o.teacher_logits is None:
+        raise ValueError(f"The `kd` loss weight is {w['kd']!r} but the drafter output has no `teacher_logits`: run "
+                         "the drafter's forward with `return_teacher_logits=True`, or set the `kd` weight to 0.")
     compute = {
         "flow": lambda: flow_matching_loss(o.velocity, o.velocity_target, o.target_mask),
         "hid": lambda: hidden_state_loss(o.predicted_states, o.corrected_states, o.target_states, o.target_mask),
@@ -171,6 +200,7 @@ def chainflow_loss(output, weights: Mapping[str, float] | None = None, *, gamma:
         "acc": lambda: acceptance_loss(o.logits, o.labels, gamma),
         "rec": lambda: reconstruction_loss(o.reconstructed_states, o.reconstruction_targets, o.reconstruction_mask,
                                            o.kl, kl_beta),
+        "kd": lambda: distillation_loss(o.logits, o.teacher_logits, o.target_mask, kd_temperature),
     }
     if not any(w.values()):
         raise ValueError(f"Every loss weight is zero ({w}); at least one term must train the drafter.")
@@ -181,11 +211,13 @@ def chainflow_loss(output, weights: Mapping[str, float] | None = None, *, gamma:
 
 __all__ = [
     "DEFAULT_LOSS_WEIGHTS",
+    "EXTRA_LOSS_WEIGHTS",
     "IGNORE_INDEX",
     "acceptance_loss",
     "chainflow_loss",
     "coverage_loss",
     "cross_entropy_loss",
+    "distillation_loss",
     "flow_matching_loss",
     "hidden_state_loss",
     "reconstruction_loss",

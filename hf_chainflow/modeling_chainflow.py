@@ -255,6 +255,8 @@ class ChainFlowDrafterOutput(ModelOutput):
         in standardised units (`drafter.normalize`), so every dimension weighs alike in `L_rec`.
     reconstruction_targets (`(B, C + K, D)`): the standardised states; reconstruction_mask (`(B, C + K)`).
     kl (`()`): mean KL of the VAE posterior to `N(0, I)` per latent element (0 without a VAE).
+    teacher_logits (`(B, K, S)`, only with `return_teacher_logits=True`): the target's own logits `W_S h_{t+k}` from
+        the true states, no gradient (the `kd` loss term's teacher).
     """
 
     velocity: torch.FloatTensor | None = None
@@ -271,6 +273,7 @@ class ChainFlowDrafterOutput(ModelOutput):
     reconstruction_targets: torch.FloatTensor | None = None
     reconstruction_mask: torch.BoolTensor | None = None
     kl: torch.FloatTensor | None = None
+    teacher_logits: torch.FloatTensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -740,6 +743,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         prev_tokens: torch.LongTensor,
         context_mask: torch.BoolTensor | None = None,
         target_mask: torch.BoolTensor | None = None,
+        return_teacher_logits: bool = False,
         **kwargs,
     ) -> ChainFlowDrafterOutput:
         """Training forward over windows (see `hf_chainflow.data`).
@@ -749,6 +753,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             target_states (`(B, K, D)`): `h_{t+1..t+K}`, `target_mask` `(B, K)`.
             target_tokens (`(B, K)`): `x_{t+2..t+K+1}`.
             prev_tokens (`(B, p-1+K)`): `x_{t+2-p..t+K}`; the parents of position `i` are `prev_tokens[:, i-1:i-1+p]`.
+            return_teacher_logits: also return the target's logits `W_S h_{t+k}` (for the `kd` loss term).
         """
         self._require_bound()
         cfg = self.config
@@ -803,12 +808,16 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             corrected = final + self.path_head(self._embed(parents), final)
         labels = self._token_to_draft_index(target_tokens)
         labels = labels.masked_fill(~target_mask | (labels >= self.draft_vocab_size), -100)
+        teacher = None
+        if return_teacher_logits:
+            with torch.no_grad():
+                teacher = F.linear(target_states, W)  # (B, K, S): the target's own next-token logits
 
         return ChainFlowDrafterOutput(
             velocity=velocity, velocity_target=z1 - z0, flow_time=s, predicted_states=predicted,
             corrected_states=corrected, target_states=target_states, target_mask=target_mask,
             marginal_logits=marginal, logits=logits, labels=labels, reconstructed_states=recon,
-            reconstruction_targets=recon_targets, reconstruction_mask=rmask, kl=kl,
+            reconstruction_targets=recon_targets, reconstruction_mask=rmask, kl=kl, teacher_logits=teacher,
         )
 
     # ------------------------------------------------------------------ serving

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainingArguments, default_data_collator
 
-from .losses import DEFAULT_LOSS_WEIGHTS, chainflow_loss, reconstruction_loss
+from .losses import DEFAULT_LOSS_WEIGHTS, EXTRA_LOSS_WEIGHTS, chainflow_loss, reconstruction_loss
 from .modeling_chainflow import ChainFlowDrafter
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,11 @@ class ChainFlowTrainingArguments(TrainingArguments):
                                    metadata={"help": "Weight of L_acc, the expected-acceptance surrogate."})
     loss_rec_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["rec"],
                                    metadata={"help": "Weight of L_rec, VAE reconstruction + beta x KL."})
+    loss_kd_weight: float = field(
+        default=EXTRA_LOSS_WEIGHTS["kd"],
+        metadata={"help": "Weight of L_kd, the KL from the target's next-token distribution (its lm_head over the "
+                          "cached true states) to the drafter's; not in the paper, 0 (off) by default."})
+    kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both sides of L_kd."})
     acceptance_gamma: float = field(default=0.8, metadata={"help": "Discount gamma per draft position in L_acc."})
     coverage_top_b: int = field(default=8, metadata={"help": "b: L_cov pushes the true token into the top b logits."})
     coverage_margin: float = field(default=1.0, metadata={"help": "Logit margin of the L_cov hinge."})
@@ -80,9 +85,12 @@ class ChainFlowTrainingArguments(TrainingArguments):
     def __post_init__(self):
         super().__post_init__()
         for name in ("loss_flow_weight", "loss_hid_weight", "loss_ce_weight", "loss_cov_weight", "loss_acc_weight",
-                     "loss_rec_weight", "kl_beta", "marginal_ce_weight", "coverage_margin", "vae_pretrain_steps"):
+                     "loss_rec_weight", "loss_kd_weight", "kl_beta", "marginal_ce_weight", "coverage_margin",
+                     "vae_pretrain_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)!r}.")
+        if not self.kd_temperature > 0:
+            raise ValueError(f"`kd_temperature` must be > 0, got {self.kd_temperature!r}.")
         if not 0 < self.acceptance_gamma <= 1:
             raise ValueError(f"`acceptance_gamma` must lie in (0, 1], got {self.acceptance_gamma!r}.")
         if not isinstance(self.coverage_top_b, int) or self.coverage_top_b < 1:
@@ -96,8 +104,8 @@ class ChainFlowTrainingArguments(TrainingArguments):
 
     @property
     def loss_weights(self) -> dict[str, float]:
-        """The six term weights by the names `chainflow_loss` uses."""
-        return {name: getattr(self, f"loss_{name}_weight") for name in DEFAULT_LOSS_WEIGHTS}
+        """The term weights by the names `chainflow_loss` uses (the SPEC's six and `kd`)."""
+        return {name: getattr(self, f"loss_{name}_weight") for name in {**DEFAULT_LOSS_WEIGHTS, **EXTRA_LOSS_WEIGHTS}}
 
 
 def unwrap_drafter(model) -> ChainFlowDrafter:
@@ -194,11 +202,12 @@ class ChainFlowTrainer(Trainer):
 
     # ------------------------------------------------------------------ loss and logging
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**{k: v for k, v in inputs.items() if k in FORWARD_KEYS})
         a = self.args
+        outputs = model(**{k: v for k, v in inputs.items() if k in FORWARD_KEYS},
+                        return_teacher_logits=a.loss_kd_weight != 0)
         total, terms = chainflow_loss(outputs, a.loss_weights, gamma=a.acceptance_gamma, top_b=a.coverage_top_b,
                                       coverage_margin=a.coverage_margin, kl_beta=a.kl_beta,
-                                      marginal_weight=a.marginal_ce_weight)
+                                      marginal_weight=a.marginal_ce_weight, kd_temperature=a.kd_temperature)
         mode = "train" if model.training else "eval"
         for name, value in terms.items():
             self._terms[mode][name].append(value.detach())

@@ -12,6 +12,7 @@ from hf_chainflow.losses import (
     chainflow_loss,
     coverage_loss,
     cross_entropy_loss,
+    distillation_loss,
     flow_matching_loss,
     hidden_state_loss,
     reconstruction_loss,
@@ -34,6 +35,27 @@ def test_hidden_state_relative_error_over_trajectory_and_corrected():
     # errors at position 1: 1/25, 4/25, 9/25 -> mean 14/75
     assert hidden_state_loss(pred, corr, h, mask).item() == pytest.approx(14 / 75)
     assert hidden_state_loss(pred, None, h, mask).item() == pytest.approx(5 / 50)
+
+
+def test_distillation_is_the_masked_kl_from_the_target_and_leaves_the_teacher_alone():
+    teacher = torch.tensor([[[math.log(3.0), 0.0], [5.0, -5.0]]], requires_grad=True)  # p = (3/4, 1/4) at position 1
+    logits = torch.zeros(1, 2, 2, requires_grad=True)  # q = (1/2, 1/2)
+    mask = torch.tensor([[True, False]])  # the second position is masked out
+    expected = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    loss = distillation_loss(logits, teacher, mask)
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    assert teacher.grad is None and logits.grad is not None and logits.grad[0, 1].abs().sum() == 0
+    assert distillation_loss(teacher.detach(), teacher.detach(), None).item() == pytest.approx(0.0, abs=1e-7)
+    # temperature T: the KL of the softened distributions, times T^2
+    soft = torch.tensor([[[math.log(3.0) / 2, 0.0]]]).softmax(-1)
+    expected_t2 = 4 * (soft * (soft / 0.5).log()).sum().item()
+    assert distillation_loss(logits[:, :1].detach(), teacher[:, :1].detach(), None, 2.0).item() == pytest.approx(
+        expected_t2)
+    with pytest.raises(ValueError, match="temperature"):
+        distillation_loss(logits, teacher, mask, 0.0)
+    with pytest.raises(ValueError, match="teacher_logits"):
+        distillation_loss(logits, teacher[:, :1], mask)
 
 
 def test_cross_entropy_corrected_plus_marginal_ignores_minus_100():
@@ -124,7 +146,7 @@ def _fake_output():
         logits=torch.randn(B, K, S), marginal_logits=torch.randn(B, K, S),
         labels=torch.tensor([[1, 4, -100], [0, 2, 3]]),
         reconstructed_states=torch.randn(B, 2 + K, D), reconstruction_targets=torch.randn(B, 2 + K, D),
-        reconstruction_mask=torch.ones(B, 2 + K, dtype=torch.bool), kl=torch.tensor(0.7),
+        reconstruction_mask=torch.ones(B, 2 + K, dtype=torch.bool), kl=torch.tensor(0.7), teacher_logits=None,
     )
 
 
@@ -143,3 +165,16 @@ def test_chainflow_loss_is_the_weighted_sum_of_its_terms():
         chainflow_loss(out, {"kl": 1.0})
     with pytest.raises(ValueError, match="zero"):
         chainflow_loss(out, {k: 0.0 for k in DEFAULT_LOSS_WEIGHTS})
+
+
+def test_chainflow_loss_adds_the_distillation_term_only_when_asked():
+    out = _fake_output()
+    total, terms = chainflow_loss(out, top_b=2)
+    assert "kd" not in terms  # off by default: the SPEC's objective
+    with pytest.raises(ValueError, match="return_teacher_logits=True"):
+        chainflow_loss(out, {"kd": 0.5}, top_b=2)
+    out.teacher_logits = torch.randn_like(out.logits)
+    total_kd, terms_kd = chainflow_loss(out, {"kd": 0.5}, top_b=2, kd_temperature=2.0)
+    expected = distillation_loss(out.logits, out.teacher_logits, out.target_mask, 2.0)
+    assert terms_kd["kd"].item() == pytest.approx(expected.item())
+    assert total_kd.item() == pytest.approx(total.item() + 0.5 * expected.item())

@@ -53,7 +53,7 @@ def test_defaults_follow_the_paper(tmp_path):
     args = ChainFlowTrainingArguments(output_dir=str(tmp_path))
     assert args.learning_rate == 5e-4 and args.lr_scheduler_type == "constant"
     assert "adamw" in str(args.optim).lower() and args.remove_unused_columns is False
-    assert args.loss_weights == {"flow": 0.2, "hid": 0.25, "ce": 0.3, "cov": 0.3, "acc": 0.15, "rec": 0.5}
+    assert args.loss_weights == {"flow": 0.2, "hid": 0.25, "ce": 0.3, "cov": 0.3, "acc": 0.15, "rec": 0.5, "kd": 0.0}
     assert (args.acceptance_gamma, args.coverage_top_b, args.kl_beta, args.vae_lr_ratio) == (0.8, 8, 3e-5, 0.05)
     with pytest.raises(ValueError, match="acceptance_gamma"):
         ChainFlowTrainingArguments(output_dir=str(tmp_path), acceptance_gamma=0.0)
@@ -193,6 +193,32 @@ def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_p
     with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):  # the same value again: nothing to say
         ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
     assert "overrides" not in caplog.text
+
+
+def test_distillation_term_reads_the_targets_own_logits(target, windows, tmp_path):
+    drafter = new_drafter(target)
+    batch = ChainFlowTrainer(model=drafter, args=make_args(tmp_path), train_dataset=windows).data_collator(windows)
+    out = drafter(**{k: v for k, v in batch.items() if k != "domain"}, return_teacher_logits=True)
+    assert drafter(**{k: v for k, v in batch.items() if k != "domain"}).teacher_logits is None
+    # 22 windows a sequence (t = 0..21); label k of window t is token t+2+k, generated greedily from token 4 on,
+    # so there the target's own logits at each true state pick the label
+    t = torch.arange(len(windows)) % 22
+    generated = (t[:, None] + 2 + torch.arange(out.labels.shape[1])) >= 4  # (B, K)
+    valid = (out.labels != -100) & generated
+    assert valid.sum() > 200 and torch.equal(out.teacher_logits.argmax(-1)[valid], out.labels[valid])
+    assert not out.teacher_logits.requires_grad
+
+    trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path / "kd", loss_kd_weight=0.5),
+                               train_dataset=windows)
+    trainer.train()
+    weights = trainer.args.loss_weights
+    for row in [r for r in trainer.state.log_history if "loss" in r]:
+        assert row["loss_kd"] > 0
+        assert row["loss"] == pytest.approx(sum(weights[t] * row[f"loss_{t}"] for t in (*TERMS, "kd")), rel=1e-3)
+    with pytest.raises(ValueError, match="kd_temperature"):
+        make_args(tmp_path, kd_temperature=0.0)
+    with pytest.raises(ValueError, match="loss_kd_weight"):
+        make_args(tmp_path, loss_kd_weight=-1.0)
 
 
 def test_replay_mix_fraction_and_determinism():
