@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same recipe on the same data (four stages; ChainFlow has a fifth, on a
-# fifth round of responses), offline tau on the held-out shards 21-25. The third, fourth and fifth stages each
+# FlashMap-style comparison trained with the same recipe on the same data (five stages), offline tau on the held-out
+# shards 21-25. The third, fourth and fifth stages each
 # first generate the target's responses to 1,536 more training prompts (about 50 minutes each on a 2-core CPU with
 # AMX, 2.4 hours without; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
@@ -13,7 +13,7 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
     --shard-size 128 --shuffle-seed 0 --threads 1
 # Stage 1: shards 0-6, 3000 steps (fresh drafters). Stage 2: shards 0-20, 6000 steps, warm-started. More-data
 # stage: 6000 steps on the new responses + replay, warm-started. Round 4: 3000 steps on a fourth round of responses
-# + replay, warm-started. Round 5 (ChainFlow only): 2000 steps at lr 1e-4 on a fifth round + shards 0-3 replayed.
+# + replay, warm-started. Round 5: 2000 steps at lr 1e-4 on a fifth round + shards 0-3 replayed.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
@@ -49,11 +49,13 @@ for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_round4.yaml --init-from "$OUT/$name-more" \
         --data "$OUT/more2/data" --replay "$OUT/data" --out "$OUT/$name-round4"
 done
-# Round 5, ChainFlow only (the shipped FlashMap-style drafter is the round-4 one): the fifth round's 1,536 responses,
-# shards 0-3 of the shared responses replayed as half of the mix, a quarter of the learning rate.
+# Round 5: the fifth round's 1,536 responses, shards 0-3 of the shared responses replayed as half of the mix, a
+# quarter of the learning rate. Each drafter keeps its own config's train_flow_steps (ChainFlow 2, FlashMap-style 1).
 hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/chainflow-round4" \
     --data "$OUT/more3/data" --shards 0-11 --replay "$OUT/data" --lr 1e-4 --threads 2 --out "$OUT/chainflow"
-for name in chainflow flashmap-round4; do
+hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/flashmap-round4" \
+    --data "$OUT/more3/data" --shards 0-11 --replay "$OUT/data" --lr 1e-4 --threads 1 --out "$OUT/flashmap"
+for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
         --max-windows 4000 --tree 8x4 --tree-budget 12 --max-tree-windows 600 --threads 1
 done
