@@ -11,7 +11,6 @@ states and labels line up), the mean probability of the label, and the mean entr
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.data import ChainFlowWindowDataset, collate
@@ -35,11 +34,12 @@ def main() -> None:
     data = ChainFlowWindowDataset(args.data, context_len=cfg.context_size, num_draft=cfg.num_draft_positions,
                                   num_parents=cfg.path_order, shards=args.shards, max_windows=args.windows, seed=0)
     batch = collate([data[i] for i in range(len(data))])
-    teacher = F.linear(batch["target_states"].float(), drafter.draft_head_weight().float())  # (B, K, S)
-    labels = drafter._token_to_draft_index(batch["target_tokens"])  # (B, K)
-    valid = batch["target_mask"] & (labels < drafter.draft_vocab_size)
+    with torch.no_grad():  # the training forward, as the `kd` term sees it
+        out = drafter(**{k: v for k, v in batch.items() if k != "domain"}, return_teacher_logits=True)
+    teacher, labels = out.teacher_logits.float(), out.labels  # (B, K, S), (B, K)
+    valid = labels != -100  # masked positions and tokens outside the draft vocabulary are ignored
     probs = teacher.softmax(-1)
-    p_label = probs.gather(-1, labels.clamp(max=drafter.draft_vocab_size - 1)[..., None])[..., 0]  # (B, K)
+    p_label = probs.gather(-1, labels.clamp(min=0)[..., None])[..., 0]  # (B, K)
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)  # (B, K)
     print(f"windows {len(data)}, valid draft positions {int(valid.sum())}")
     print(f"argmax of the target's logits = label: {(teacher.argmax(-1) == labels)[valid].float().mean():.4f}")

@@ -183,10 +183,10 @@ class ChainFlowTrainer(Trainer):
             raise
         if drafter.config.train_flow_steps != configured_steps:
             # The override is saved with the drafter and changes what its loss trains: say so once, here.
-            logger.warning(f"`train_flow_steps={drafter.config.train_flow_steps}` overrides the drafter config's "
-                           f"{configured_steps}: the loss now scores a {drafter.config.train_flow_steps}-step trajectory and "
-                           f"the saved config records it; the drafter still serves "
-                           f"`num_flow_steps={drafter.config.num_flow_steps}`.")
+            steps = drafter.config.train_flow_steps
+            logger.warning(f"`train_flow_steps={steps}` overrides the drafter config's {configured_steps}: the loss "
+                           f"now scores a {steps}-step trajectory and the saved config records it; the drafter still "
+                           f"serves `num_flow_steps={drafter.config.num_flow_steps}`.")
         # `compute_loss` returns a per-batch mean: let the Trainer divide it for gradient accumulation, and do not
         # pass `num_items_in_batch` into the drafter's forward.
         self.model_accepts_loss_kwargs = False
