@@ -380,17 +380,42 @@ def bf16_hardware_note(bf16_support: dict[str, bool | None] | None = None,
             "instructions\").")
 
 
+def cpu_identity(cpuinfo: str) -> dict[str, str | int | None]:
+    """The first processor's `model name`, `vendor_id`, `cpu family` and `model` in `/proc/cpuinfo` text.
+
+    A virtual machine may show only a masked name ("AMD EPYC"); the family and model numbers still tell the
+    microarchitecture (AMD family 25 is Zen 3 / Zen 4, e.g. model 17 Zen 4 "Genoa"), which decides the bfloat16 kernels.
+    """
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # end of the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+
+    def number(key: str) -> int | None:
+        value = fields.get(key, "")
+        return int(value) if value.isdigit() else None
+
+    return {"name": fields.get("model name"), "vendor": fields.get("vendor_id"), "family": number("cpu family"),
+            "model": number("model")}
+
+
 def machine_info() -> dict:
     """What the numbers were measured on."""
     import transformers
 
-    cpu = platform.processor()
+    identity = {"name": platform.processor() or None, "vendor": None, "family": None, "model": None}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            identity = cpu_identity(f.read())
     except OSError:
         pass
-    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+    cpu = identity["name"] or platform.processor()
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_vendor": identity["vendor"],
+            "cpu_family": identity["family"], "cpu_model": identity["model"], "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "bf16_matrix_instructions": bf16_matrix_instructions(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
@@ -754,5 +779,5 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 __all__ = ["Arm", "BenchPrompt", "DEFAULT_TIE_TOLERANCE", "bf16_hardware_note", "bf16_matrix_instructions",
-           "build_arms", "classify_divergence", "explain_mismatch", "first_divergence", "load_prompts",
+           "build_arms", "classify_divergence", "cpu_identity", "explain_mismatch", "first_divergence", "load_prompts",
            "markdown_table", "run_arm", "run_bench", "stratified_selection", "tokenize_prompts", "write_results"]

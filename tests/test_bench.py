@@ -489,6 +489,18 @@ def test_bf16_hardware_note_only_without_native_instructions():
     assert (bf16_hardware_note() is None) == any(support.values())
 
 
+def test_cpu_identity_reads_the_first_processor_block():
+    from hf_chainflow.bench import cpu_identity, machine_info
+
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx512_bf16\n\n"
+            "processor\t: 1\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n")
+    assert cpu_identity(text) == {"name": "AMD EPYC", "vendor": "AuthenticAMD", "family": 25, "model": 17}
+    assert cpu_identity("") == {"name": None, "vendor": None, "family": None, "model": None}
+    info = machine_info()
+    assert {"cpu", "cpu_vendor", "cpu_family", "cpu_model", "bf16_matrix_instructions"} <= set(info)
+
+
 @pytest.mark.parametrize("support, noted", [(False, True), (True, False)])
 def test_bench_notes_a_cpu_without_bf16_matrix_instructions(monkeypatch, tmp_path, capsys, support, noted):
     import hf_chainflow.bench as bench
