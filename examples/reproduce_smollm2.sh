@@ -4,7 +4,7 @@
 # FlashMap-style comparison trained with the same recipe on the same data (five stages), offline tau on the held-out
 # shards 21-25. The third, fourth and fifth stages each
 # first generate the target's responses to 1,536 more training prompts (about 50 minutes each on a 2-core CPU with
-# AMX, 2.4 hours without; minutes with `--device cuda`).
+# AVX-512 BF16, 2.4 hours on an AVX2-only one; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
 set -euo pipefail
 SHARED=${1:-../shared}

@@ -354,7 +354,7 @@ def bf16_matrix_instructions() -> dict[str, bool | None]:
     `None` where this torch has no probe for one.
 
     Without either, a bfloat16 forward over several tokens is far dearer than over one (measured on an AVX2-only
-    CPU: 13 tokens cost 4.6 single-token steps; with AMX, 1.2), which is what speculative verification pays for.
+    CPU: 13 tokens cost 4.6 single-token steps; with AVX-512 BF16, 1.2-1.4), which is what speculative verification pays for.
     """
 
     def probe(name: str) -> bool | None:
