@@ -354,7 +354,8 @@ def bf16_matrix_instructions() -> dict[str, bool | None]:
     `None` where this torch has no probe for one.
 
     Without either, a bfloat16 forward over several tokens is far dearer than over one (measured on an AVX2-only
-    CPU: 13 tokens cost 4.6 single-token steps; with AVX-512 BF16, 1.2-1.4), which is what speculative verification pays for.
+    CPU: 13 tokens cost 4.6 single-token steps; with AVX-512 BF16, 1.2-1.4), which is what speculative
+    verification pays for.
     """
 
     def probe(name: str) -> bool | None:
@@ -407,15 +408,15 @@ def machine_info() -> dict:
     """What the numbers were measured on."""
     import transformers
 
-    identity = {"name": platform.processor() or None, "vendor": None, "family": None, "model": None}
+    identity = cpu_identity("")
     try:
         with open("/proc/cpuinfo") as f:
             identity = cpu_identity(f.read())
     except OSError:
         pass
-    cpu = identity["name"] or platform.processor()
-    info = {"platform": platform.platform(), "cpu": cpu, "cpu_vendor": identity["vendor"],
-            "cpu_family": identity["family"], "cpu_model": identity["model"], "cpu_count": os.cpu_count(),
+    info = {"platform": platform.platform(), "cpu": identity["name"] or platform.processor(),
+            "cpu_vendor": identity["vendor"], "cpu_family": identity["family"], "cpu_model": identity["model"],
+            "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "bf16_matrix_instructions": bf16_matrix_instructions(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
