@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same recipe on the same data (six stages), offline tau on the held-out
-# shards 21-25. The third, fourth and fifth stages each first generate the target's responses to 1,536 more
+# FlashMap-style comparison trained with the same recipe on the same data (seven stages), offline tau on the held-out
+# shards 21-25. The third, fourth, fifth and seventh stages each first generate the target's responses to 1,536 more
 # training prompts, the sixth to 768 (about 50 minutes for 1,536 on a 2-core CPU with AVX-512 BF16, 2.4 hours on an
 # AVX2-only one; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
@@ -14,7 +14,8 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
 # Stage 1: shards 0-6, 3000 steps (fresh drafters). Stage 2: shards 0-20, 6000 steps, warm-started. More-data
 # stage: 6000 steps on the new responses + replay, warm-started. Round 4: 3000 steps on a fourth round of responses
 # + replay, warm-started. Round 5: 2000 steps at lr 1e-4 on a fifth round + shards 0-3 replayed. Round 6: 1000
-# steps on half a sixth round + shards 0-7 replayed, with the distillation term.
+# steps on half a sixth round + shards 0-7 replayed, with the distillation term. Round 7: 2000 steps on a seventh
+# round + shards 0-7 replayed, the distillation term, one training flow step for both drafters.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
@@ -47,6 +48,14 @@ python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train
     --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 96 --seed 2029 --out "$OUT/more4/prompts.jsonl"
 hf-chainflow prepare --prompts "$OUT/more4/prompts.jsonl" --out "$OUT/more4/data" --shard-size 128 \
     --shuffle-seed 0 --batch-size 32
+# Round 7: a whole round again (192 prompts a domain), bfloat16 generation.
+python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
+    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
+    --exclude "$OUT/more2/prompts.jsonl" --exclude "$OUT/heldout/prompts.jsonl" --exclude "$OUT/more3/prompts.jsonl" \
+    --exclude "$OUT/more4/prompts.jsonl" --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 \
+    --seed 2030 --out "$OUT/more5/prompts.jsonl"
+hf-chainflow prepare --prompts "$OUT/more5/prompts.jsonl" --out "$OUT/more5/data" --shard-size 128 \
+    --shuffle-seed 0 --batch-size 32
 for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_stage2.yaml --init-from "$OUT/$name-stage1" \
         --data "$OUT/data" --out "$OUT/$name-stage2"
@@ -67,10 +76,17 @@ hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT
 # steps at lr 1e-4, with the distillation term (loss_kd_weight 1.0); again each drafter keeps its train_flow_steps.
 hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/chainflow-round5" \
     --data "$OUT/more4/data" --shards 0-5 --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 1000 \
-    --threads 1 --training-arg loss_kd_weight=1.0 --out "$OUT/chainflow"
+    --threads 1 --training-arg loss_kd_weight=1.0 --out "$OUT/chainflow-round6"
 hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/flashmap-round5" \
     --data "$OUT/more4/data" --shards 0-5 --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 1000 \
-    --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/flashmap"
+    --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/flashmap-round6"
+# Round 7: the seventh round's 1,536 responses, the same replay and term, 2,000 steps, and one training flow step
+# for ChainFlow too (the step count it serves with).
+for name in chainflow flashmap; do
+    hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/$name-round6" \
+        --data "$OUT/more5/data" --shards 0-11 --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 2000 \
+        --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name"
+done
 for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
         --max-windows 4000 --tree 8x4 --tree-budget 12 --max-tree-windows 600 --threads 1
