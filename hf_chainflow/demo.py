@@ -64,7 +64,8 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | No
 
     `drafter` must be bound to `target`; `mode` is `"chain"` or `"tree"` (`None`: the drafter's `generation_config`;
     the shape stays the drafter's); `lookup=False` switches the prompt-lookup branch off (`None`: the drafter's
-    setting). Returns `{"tau", "speedup", "identical", "speculative_seconds", "plain_seconds", ...}`.
+    setting). Returns `{"tau", "speedup", "identical", "differences", "speculative_seconds", "plain_seconds", ...}`,
+    where `differences` classifies each output that differs from plain generation as the bench does.
     """
     from transformers import TextStreamer
 
@@ -115,17 +116,39 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | No
     spec_rate = sum(len(t) for t, _ in spec) / sum(s for _, s in spec)
     plain_rate = sum(len(t) for t, _ in plain) / sum(s for _, s in plain)
     identical = [a[0] == b[0] for a, b in zip(spec, plain)]
-    summary = {"mode": mode, "settings": described, "dtype": str(target.dtype).replace("torch.", ""), "tau": pooled.tau,
+    dtype = str(target.dtype).replace("torch.", "")
+    differences = _classify_differences(target, encoded, spec, plain, dtype)
+    summary = {"mode": mode, "settings": described, "dtype": dtype, "tau": pooled.tau,
                "acceptance_per_depth": pooled.acceptance_per_depth(), "speculative_tokens_per_second": spec_rate,
                "plain_tokens_per_second": plain_rate, "speedup": spec_rate / plain_rate,
-               "identical": identical, "speculative_seconds": sum(s for _, s in spec),
+               "identical": identical, "differences": differences, "speculative_seconds": sum(s for _, s in spec),
                "plain_seconds": sum(s for _, s in plain)}
     print_fn(f"\n{described}, {summary['dtype']}: tau {pooled.tau:.2f} tokens per target forward, "
              f"{spec_rate:.1f} tok/s vs plain {plain_rate:.1f} tok/s -> speedup {summary['speedup']:.2f}x; "
-             f"outputs identical to plain generation on {sum(identical)}/{len(identical)} prompts"
-             + ("" if all(identical) or summary["dtype"] == "float32" else
-                " (bfloat16: multi-token scoring rounds differently and can flip near-ties)"))
+             f"outputs identical to plain generation on {sum(identical)}/{len(identical)} prompts")
+    for d in differences:
+        kind = "a near-tie" if d["kind"] == "near_tie" else f"UNEXPLAINED ({d['reason']})"
+        gap = "" if d["gap"] is None else f", plain logit gap {d['gap']:+.3f}"
+        print_fn(f"  prompt {d['prompt']}: first differs at new token {d['position']} (plain {d['ar_token']}, "
+                 f"speculative {d['arm_token']}{gap}): {kind}")
+    if differences and all(d["kind"] == "near_tie" for d in differences):
+        print_fn(f"  ({dtype}: scoring several tokens in one forward rounds differently from one at a time and flips "
+                 "near-ties; `--dtype float32` is exact)")
     return summary
+
+
+def _classify_differences(target, encoded, spec, plain, dtype: str) -> list[dict]:
+    """Each prompt whose speculative tokens differ from plain generation's, classified as the bench does
+    (`hf_chainflow.bench.explain_mismatch`): the first diverging position and whether the plain model of this dtype
+    scores the two tokens as a near-tie."""
+    from .bench import DEFAULT_TIE_TOLERANCE, explain_mismatch
+
+    differences = []
+    for i, (ids, (spec_tokens, _), (plain_tokens, _)) in enumerate(zip(encoded, spec, plain), 1):
+        d = explain_mismatch(target, ids, plain_tokens, spec_tokens, dtype, DEFAULT_TIE_TOLERANCE)
+        if d is not None:
+            differences.append({"prompt": i, **d})
+    return differences
 
 
 def add_demo_parser(sub) -> None:
