@@ -17,6 +17,8 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
 # steps on half a sixth round + shards 0-7 replayed, with the distillation term. Round 7: 2000 steps on a seventh
 # round + shards 0-7 replayed, the distillation term, one training flow step for both drafters.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
+# From round 4 on, the shipped stages warm-started from the previous stage's float16 file (the one shipped); this
+# script warm-starts from the previous stage's float32 output, which rounds to that file.
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
 python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \

@@ -115,15 +115,16 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | No
 
     spec_rate = sum(len(t) for t, _ in spec) / sum(s for _, s in spec)
     plain_rate = sum(len(t) for t, _ in plain) / sum(s for _, s in plain)
-    identical = [a[0] == b[0] for a, b in zip(spec, plain)]
     dtype = str(target.dtype).replace("torch.", "")
     differences = _classify_differences(target, encoded, spec, plain, dtype)
+    differing = {d["prompt"] for d in differences}
+    identical = [i not in differing for i in range(1, len(prompts) + 1)]
     summary = {"mode": mode, "settings": described, "dtype": dtype, "tau": pooled.tau,
                "acceptance_per_depth": pooled.acceptance_per_depth(), "speculative_tokens_per_second": spec_rate,
                "plain_tokens_per_second": plain_rate, "speedup": spec_rate / plain_rate,
                "identical": identical, "differences": differences, "speculative_seconds": sum(s for _, s in spec),
                "plain_seconds": sum(s for _, s in plain)}
-    print_fn(f"\n{described}, {summary['dtype']}: tau {pooled.tau:.2f} tokens per target forward, "
+    print_fn(f"\n{described}, {dtype}: tau {pooled.tau:.2f} tokens per target forward, "
              f"{spec_rate:.1f} tok/s vs plain {plain_rate:.1f} tok/s -> speedup {summary['speedup']:.2f}x; "
              f"outputs identical to plain generation on {sum(identical)}/{len(identical)} prompts")
     for d in differences:

@@ -19,9 +19,9 @@ def test_demo_classifies_every_difference_from_plain_generation(dtype):
     lines = []
     summary = run_demo(target, tok, drafter, DEMO_PROMPTS, max_new_tokens=48, print_fn=lines.append)
     differences = summary["differences"]
-    assert [d["prompt"] for d in differences] == [i for i, same in enumerate(summary["identical"], 1) if not same]
     if dtype == torch.float32:
-        assert differences == [], "\n".join(lines)
+        assert differences == [] and all(summary["identical"]), "\n".join(lines)
     else:
         assert all(d["kind"] == "near_tie" for d in differences), "\n".join(lines)
-        assert sum(f"prompt {d['prompt']}: first differs" in line for d in differences for line in lines) == len(differences)
+        printed = [line for line in lines if ": first differs at new token" in line]
+        assert len(printed) == len(differences) and all("near-tie" in line for line in printed), "\n".join(lines)
