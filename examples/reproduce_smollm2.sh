@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same recipe on the same data (seven stages), offline tau on the held-out
-# shards 21-25. The third, fourth, fifth and seventh stages each first generate the target's responses to 1,536 more
-# training prompts, the sixth to 768 (about 50 minutes for 1,536 on a 2-core CPU with AVX-512 BF16, 2.4 hours on an
+# FlashMap-style comparison trained with the same recipe on the same data (nine stages), offline tau on the held-out
+# shards 21-25. The third, fourth, fifth, seventh, eighth and ninth stages each first generate the target's responses
+# to 1,536 more training prompts, the sixth to 768 (about 50 minutes for 1,536 on a 2-core CPU with AVX-512 BF16, 2.4 hours on an
 # AVX2-only one; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
 set -euo pipefail
@@ -15,10 +15,12 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
 # stage: 6000 steps on the new responses + replay, warm-started. Round 4: 3000 steps on a fourth round of responses
 # + replay, warm-started. Round 5: 2000 steps at lr 1e-4 on a fifth round + shards 0-3 replayed. Round 6: 1000
 # steps on half a sixth round + shards 0-7 replayed, with the distillation term. Round 7: 2000 steps on a seventh
-# round + shards 0-7 replayed, the distillation term, one training flow step for both drafters.
+# round + shards 0-7 replayed, the distillation term, one training flow step for both drafters. Rounds 8 and 9: the
+# round-7 command on an eighth and a ninth round, one after the other.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
-# From round 4 on, the shipped stages warm-started from the previous stage's float16 file (the one shipped); this
-# script warm-starts from the previous stage's float32 output, which rounds to that file.
+# Rounds 4 to 8 of the shipped drafters warm-started from the previous stage's float16 file (the one shipped), round 9
+# from round 8's float32 output (round 8 was not shipped on its own); this script warm-starts every stage from the
+# previous stage's float32 output, which rounds to that file.
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
 python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
@@ -58,6 +60,21 @@ python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train
     --seed 2030 --out "$OUT/more5/prompts.jsonl"
 hf-chainflow prepare --prompts "$OUT/more5/prompts.jsonl" --out "$OUT/more5/data" --shard-size 128 \
     --shuffle-seed 0 --batch-size 32
+# Rounds 8 and 9: two more whole rounds (192 prompts a domain each), bfloat16 generation.
+python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
+    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
+    --exclude "$OUT/more2/prompts.jsonl" --exclude "$OUT/heldout/prompts.jsonl" --exclude "$OUT/more3/prompts.jsonl" \
+    --exclude "$OUT/more4/prompts.jsonl" --exclude "$OUT/more5/prompts.jsonl" \
+    --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2031 --out "$OUT/more6/prompts.jsonl"
+hf-chainflow prepare --prompts "$OUT/more6/prompts.jsonl" --out "$OUT/more6/data" --shard-size 128 \
+    --shuffle-seed 0 --batch-size 32
+python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
+    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
+    --exclude "$OUT/more2/prompts.jsonl" --exclude "$OUT/heldout/prompts.jsonl" --exclude "$OUT/more3/prompts.jsonl" \
+    --exclude "$OUT/more4/prompts.jsonl" --exclude "$OUT/more5/prompts.jsonl" --exclude "$OUT/more6/prompts.jsonl" \
+    --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2032 --out "$OUT/more7/prompts.jsonl"
+hf-chainflow prepare --prompts "$OUT/more7/prompts.jsonl" --out "$OUT/more7/data" --shard-size 128 \
+    --shuffle-seed 0 --batch-size 32
 for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_stage2.yaml --init-from "$OUT/$name-stage1" \
         --data "$OUT/data" --out "$OUT/$name-stage2"
@@ -85,9 +102,15 @@ hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT
 # Round 7: the seventh round's 1,536 responses, the same replay and term, 2,000 steps, and one training flow step
 # for ChainFlow too (the step count it serves with).
 for name in chainflow flashmap; do
-    hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT/$name-round6" \
-        --data "$OUT/more5/data" --shards 0-11 --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 2000 \
-        --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name"
+    prev="$OUT/$name-round6"
+    for round in "round7 more5" "round8 more6" "round9 more7"; do
+        set -- $round
+        stage_out="$OUT/$name-$1"; [ "$1" = round9 ] && stage_out="$OUT/$name"
+        hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$prev" \
+            --data "$OUT/$2/data" --shards 0-11 --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 2000 \
+            --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$stage_out"
+        prev="$stage_out"
+    done
 done
 for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
