@@ -60,21 +60,18 @@ python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train
     --seed 2030 --out "$OUT/more5/prompts.jsonl"
 hf-chainflow prepare --prompts "$OUT/more5/prompts.jsonl" --out "$OUT/more5/data" --shard-size 128 \
     --shuffle-seed 0 --batch-size 32
-# Rounds 8 and 9: two more whole rounds (192 prompts a domain each), bfloat16 generation.
-python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
-    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
-    --exclude "$OUT/more2/prompts.jsonl" --exclude "$OUT/heldout/prompts.jsonl" --exclude "$OUT/more3/prompts.jsonl" \
-    --exclude "$OUT/more4/prompts.jsonl" --exclude "$OUT/more5/prompts.jsonl" \
-    --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2031 --out "$OUT/more6/prompts.jsonl"
-hf-chainflow prepare --prompts "$OUT/more6/prompts.jsonl" --out "$OUT/more6/data" --shard-size 128 \
-    --shuffle-seed 0 --batch-size 32
-python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
-    --exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl" --exclude "$OUT/more/prompts.jsonl" \
-    --exclude "$OUT/more2/prompts.jsonl" --exclude "$OUT/heldout/prompts.jsonl" --exclude "$OUT/more3/prompts.jsonl" \
-    --exclude "$OUT/more4/prompts.jsonl" --exclude "$OUT/more5/prompts.jsonl" --exclude "$OUT/more6/prompts.jsonl" \
-    --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed 2032 --out "$OUT/more7/prompts.jsonl"
-hf-chainflow prepare --prompts "$OUT/more7/prompts.jsonl" --out "$OUT/more7/data" --shard-size 128 \
-    --shuffle-seed 0 --batch-size 32
+# Rounds 8 and 9: two more whole rounds (192 prompts a domain each), bfloat16 generation, each excluding all
+# earlier selections.
+excludes=(--exclude "$SHARED/data/responses/smollm2-135m-instruct.jsonl")
+for name in more more2 heldout more3 more4 more5; do excludes+=(--exclude "$OUT/$name/prompts.jsonl"); done
+for round in "more6 2031" "more7 2032"; do
+    set -- $round
+    python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" "${excludes[@]}" \
+        --domains-from "$SHARED/data/prompts/eval.jsonl" --per-domain 192 --seed "$2" --out "$OUT/$1/prompts.jsonl"
+    hf-chainflow prepare --prompts "$OUT/$1/prompts.jsonl" --out "$OUT/$1/data" --shard-size 128 \
+        --shuffle-seed 0 --batch-size 32
+    excludes+=(--exclude "$OUT/$1/prompts.jsonl")
+done
 for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_stage2.yaml --init-from "$OUT/$name-stage1" \
         --data "$OUT/data" --out "$OUT/$name-stage2"
