@@ -310,9 +310,11 @@ def sequence_walks(dataset) -> list[np.ndarray]:
     return walks
 
 
-def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], depth: int) -> dict:
+def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], depth: int,
+                  per_sequence: dict | None = None) -> dict:
     """tokens / rounds; per depth `d`, the share of rounds drafting deeper than `d - 1` that accepted at least `d`
-    tokens (the bench's `acceptance_per_depth`, `hf_chainflow.stats`)."""
+    tokens (the bench's `acceptance_per_depth`, `hf_chainflow.stats`); `per_sequence` (response ids, their rounds
+    and tokens) is stored as given, for paired comparisons (`paired_walk_difference`)."""
     a, n = np.asarray(rounds), np.asarray(drafted)
     out = {"tau": float((a + 1).sum() / len(a)), "rounds": len(a), "tokens": int((a + 1).sum()),
            "acceptance_per_depth": [float((a[n >= d] >= d).mean()) if (n >= d).any() else 0.0
@@ -320,6 +322,8 @@ def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], dep
     names = np.asarray(domains)
     out["per_domain"] = {name: {"tau": float((a[names == name] + 1).mean()), "rounds": int((names == name).sum())}
                          for name in sorted(set(domains))}
+    if per_sequence is not None:
+        out["per_sequence"] = per_sequence
     return out
 
 
@@ -337,7 +341,8 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     Every round is the serving call (`drafter.draft`) on the window at the walk's anchor.  `max_sequences` walks a
     seeded random subset of the responses; `label` names a window's `domain` index (default: the dataset's
     `domains`).  Returns `num_sequences` and, per mode (`chain`, `tree`), `tau` (tokens / rounds), `rounds`,
-    `tokens`, `acceptance_per_depth` (as the bench counts it) and `per_domain`.
+    `tokens`, `acceptance_per_depth` (as the bench counts it), `per_domain` and `per_sequence` (`seq`: the
+    responses' indices in `dataset.sequences`, `rounds`, `tokens`: one entry each, in walk order).
     """
     drafter = unwrap_drafter(drafter)
     drafter._require_bound()
@@ -348,7 +353,7 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     if label is None:
         names = _domain_names(dataset)
         label = (lambda d: names[d]) if names is not None else str
-    walks = sequence_walks(dataset)
+    walks, seq_of = sequence_walks(dataset), np.asarray(dataset.seq_of)
     if max_sequences is not None and max_sequences < len(walks):
         keep = np.sort(np.random.default_rng(seed).choice(len(walks), size=max_sequences, replace=False))
         walks = [walks[i] for i in keep]
@@ -357,6 +362,7 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     with _eval_mode(drafter):
         for mode, depth in modes.items():
             rounds, drafted, domains = [], [], []
+            per_sequence = {"seq": [], "rounds": [], "tokens": []}
             for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
                 def accepted_at(i: int, idx=idx, mode=mode) -> int:
                     w = dataset[int(idx[i])]
@@ -373,8 +379,41 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
                 first = dataset[int(idx[0])]
                 rounds += visited
                 domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
-            result[mode] = _walk_summary(rounds, drafted, domains, depth)
+                per_sequence["seq"].append(int(seq_of[idx[0]]))
+                per_sequence["rounds"].append(len(visited))
+                per_sequence["tokens"].append(sum(visited) + len(visited))
+            result[mode] = _walk_summary(rounds, drafted, domains, depth, per_sequence)
     return result
+
+
+def paired_walk_difference(a: dict, b: dict, *, num_resamples: int = 10000, seed: int = 0) -> dict:
+    """How far walk `b`'s `tau` is from walk `a`'s, with its sampling noise over the responses walked.
+
+    `a` and `b` are one mode of two `evaluate_walk` results (e.g. `result["walk"]["tree"]`) over the same responses.
+    `tau` is tokens / rounds pooled over the responses, so the responses are resampled with replacement (the same
+    draw for both walks: a paired bootstrap) and each draw's difference `tau_b - tau_a` recomputed.  Returns `tau_a`,
+    `tau_b`, `difference`, `ci95` (the 2.5 and 97.5 percentiles of the resampled differences), `p_not_above`
+    (the share of draws where `b` is not above `a`), `num_sequences` and `num_resamples`.
+    """
+    for name, walk in (("a", a), ("b", b)):
+        if not isinstance(walk, dict) or "per_sequence" not in walk:
+            raise ValueError(f"`{name}` must be one mode of an `evaluate_walk` result with its `per_sequence` record "
+                             "(written since this function exists: re-run `eval-offline --walk-sequences`); got "
+                             f"{type(walk).__name__} with keys {sorted(walk) if isinstance(walk, dict) else None}.")
+    if a["per_sequence"]["seq"] != b["per_sequence"]["seq"]:
+        raise ValueError(f"`a` and `b` walked different responses ({len(a['per_sequence']['seq'])} and "
+                         f"{len(b['per_sequence']['seq'])}, not the same ids in the same order); a paired comparison "
+                         "needs the same held-out data, shards and `walk_sequences` for both.")
+    if not isinstance(num_resamples, int) or num_resamples < 1:
+        raise ValueError(f"`num_resamples` must be a positive integer, got {num_resamples!r}.")
+    ra, ta = (np.asarray(a["per_sequence"][k], dtype=np.float64) for k in ("rounds", "tokens"))  # (N,)
+    rb, tb = (np.asarray(b["per_sequence"][k], dtype=np.float64) for k in ("rounds", "tokens"))  # (N,)
+    draws = np.random.default_rng(seed).integers(0, len(ra), size=(num_resamples, len(ra)))  # (R, N)
+    diffs = tb[draws].sum(1) / rb[draws].sum(1) - ta[draws].sum(1) / ra[draws].sum(1)  # (R,)
+    tau_a, tau_b = float(ta.sum() / ra.sum()), float(tb.sum() / rb.sum())
+    return {"tau_a": tau_a, "tau_b": tau_b, "difference": tau_b - tau_a,
+            "ci95": [float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))],
+            "p_not_above": float((diffs <= 0).mean()), "num_sequences": len(ra), "num_resamples": num_resamples}
 
 
 def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Path]:
@@ -407,6 +446,6 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
     return json_path, png_path
 
 
-__all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "reference_chain",
-           "sequence_walks", "summarize", "tree_accepted_length", "tree_matching_path", "walk_rounds",
+__all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "paired_walk_difference",
+           "reference_chain", "sequence_walks", "summarize", "tree_accepted_length", "tree_matching_path", "walk_rounds",
            "write_report"]

@@ -13,6 +13,7 @@ from hf_chainflow.evaluation import (
     draft_chains,
     evaluate_offline,
     evaluate_walk,
+    paired_walk_difference,
     reference_chain,
     sequence_walks,
     summarize,
@@ -173,6 +174,30 @@ def test_walk_of_a_drafter_that_copies_the_truth(setup, monkeypatch):
     assert chain["acceptance_per_depth"] == pytest.approx([1.0, 1.0, 0.8])
     assert chain["per_domain"] == {"0": {"tau": pytest.approx(3.8), "rounds": 5},
                                    "1": {"tau": pytest.approx(3.8), "rounds": 5}}
+    assert chain["per_sequence"] == {"seq": [0, 1], "rounds": [5, 5], "tokens": [19, 19]}
+
+
+def _walk(rounds, tokens, seq=None):
+    return {"per_sequence": {"seq": list(range(len(rounds))) if seq is None else seq, "rounds": rounds,
+                             "tokens": tokens}}
+
+
+def test_paired_walk_difference_pools_tokens_over_rounds_and_resamples_responses_together():
+    a = _walk([10, 10, 20], [20, 20, 40])  # tau 2.0 on every response
+    same = paired_walk_difference(a, a, num_resamples=200)
+    assert same["difference"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["p_not_above"] == 1.0
+    up = paired_walk_difference(a, _walk([10, 10, 20], [21, 21, 42]), num_resamples=200)  # +0.1 on every response
+    assert up["tau_a"] == pytest.approx(2.0) and up["tau_b"] == pytest.approx(2.1)
+    assert up["ci95"] == pytest.approx([0.1, 0.1]) and up["p_not_above"] == 0.0  # paired: no noise left
+    mixed = paired_walk_difference(a, _walk([10, 10, 20], [30, 15, 40]), num_resamples=2000)
+    assert mixed["difference"] == pytest.approx(85 / 40 - 2.0)
+    assert mixed["ci95"][0] < 0 < mixed["ci95"][1] and 0 < mixed["p_not_above"] < 1
+    with pytest.raises(ValueError, match="walked different responses"):
+        paired_walk_difference(a, _walk([10, 10, 20], [20, 20, 40], seq=[0, 1, 5]))
+    with pytest.raises(ValueError, match="`b` must be one mode of an `evaluate_walk` result .* keys \\['tau'\\]"):
+        paired_walk_difference(a, {"tau": 2.0})
+    with pytest.raises(ValueError, match="`num_resamples` must be a positive integer, got 0"):
+        paired_walk_difference(a, a, num_resamples=0)
 
 
 def test_walk_equals_a_walk_over_per_window_lengths(setup):
