@@ -447,5 +447,5 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
 
 
 __all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "paired_walk_difference",
-           "reference_chain", "sequence_walks", "summarize", "tree_accepted_length", "tree_matching_path", "walk_rounds",
-           "write_report"]
+           "reference_chain", "sequence_walks", "summarize", "tree_accepted_length", "tree_matching_path",
+           "walk_rounds", "write_report"]
