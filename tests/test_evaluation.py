@@ -250,3 +250,26 @@ def test_a_failing_evaluation_gives_the_drafter_back_in_its_training_mode(setup,
         assert drafter.training  # ... and handed back in training mode despite the error
     finally:
         drafter.eval()
+
+
+def test_walk_comparison_scripts_print_differences_and_intervals(tmp_path):
+    """`examples/compare_walks.py` and `examples/compare_walk_gains.py` on three stages' walk records."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    rounds = [10, 12, 8, 20]
+    files = []
+    for name, extra in (("a", 0), ("b", 2), ("c", 3)):  # tokens per response: 2 * rounds + extra
+        walk = {m: _walk(rounds, [2 * r + extra for r in rounds]) for m in ("chain", "tree")}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"walk": {"num_sequences": len(rounds), **walk}}))
+        files.append(str(path))
+    run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True).stdout  # noqa: E731
+    out = run(str(examples / "compare_walks.py"), files[0], files[1], "--resamples", "200")
+    assert "walk tree: A 2.0000  B 2.1600  B - A +0.1600" in out  # tokens 100 + 8 over 50 rounds
+    out = run(str(examples / "compare_walks.py"), files[0], files[1], "--subset", "2", "--resamples", "200")
+    assert out.startswith("2 responses")
+    out = run(str(examples / "compare_walk_gains.py"), *files, "--resamples", "200")
+    assert "B - A +0.1600, C - B +0.0800, (B - A) - (C - B) +0.0800" in out
