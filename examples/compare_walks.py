@@ -7,24 +7,22 @@ N (so both walked the same responses).  Prints, per walk mode, both `tau`, their
     python examples/compare_walks.py runs/eval-A/offline_eval.json runs/eval-B/offline_eval.json
 
 `--subset 100` compares on the 100 responses `--walk-sequences 100` would have walked (the same seeded draw of
-`evaluate_walk`, `--subset-seed`, default 0), from walks over more responses.
+`evaluate_walk`, `--subset-seed`, default 0), from walks over more responses, and prints how much A's `tau` varies
+between random draws of that many responses (with replacement) from all the responses A walked.
 """
 
 import argparse
 import json
 
-import numpy as np
-
-from hf_chainflow.evaluation import paired_walk_difference
+from hf_chainflow.evaluation import paired_walk_difference, resampled_walk_taus, walk_subset
 
 
 def subset(walk: dict, size: int, seed: int) -> dict:
     """`walk` restricted to the responses `evaluate_walk(max_sequences=size, seed=seed)` draws from the same data."""
     rec = walk["per_sequence"]
-    n = len(rec["seq"])
-    if size > n:
-        raise SystemExit(f"--subset {size} is more than the {n} responses walked")
-    keep = np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
+    if size > len(rec["seq"]):
+        raise SystemExit(f"--subset {size} is more than the {len(rec['seq'])} responses walked")
+    keep = walk_subset(len(rec["seq"]), size, seed)
     return {"per_sequence": {key: [values[i] for i in keep] for key, values in rec.items()}}
 
 
@@ -50,6 +48,10 @@ def main() -> None:
             d = paired_walk_difference(wa, wb, num_resamples=args.resamples, seed=args.seed)
             print(f"walk {mode}: A {d['tau_a']:.4f}  B {d['tau_b']:.4f}  B - A {d['difference']:+.4f}  "
                   f"95 % [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]  P(B <= A) {d['p_not_above']:.3f}")
+            if args.subset:  # how far one draw of that many responses moves A's tau (drawn from all A walked)
+                spread = resampled_walk_taus([a[mode]], num_resamples=args.resamples, size=args.subset,
+                                             seed=args.seed)[:, 0]
+                print(f"  A's walk {mode} tau over random {args.subset}-response draws: SD {spread.std():.4f}")
 
 
 if __name__ == "__main__":

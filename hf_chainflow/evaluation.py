@@ -355,8 +355,7 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
         label = (lambda d: names[d]) if names is not None else str
     walks, seq_of = sequence_walks(dataset), np.asarray(dataset.seq_of)
     if max_sequences is not None and max_sequences < len(walks):
-        keep = np.sort(np.random.default_rng(seed).choice(len(walks), size=max_sequences, replace=False))
-        walks = [walks[i] for i in keep]
+        walks = [walks[i] for i in walk_subset(len(walks), max_sequences, seed)]
     modes = {"chain": num_tokens} if tree is None else {"chain": num_tokens, "tree": tree[1]}
     result = {"num_sequences": len(walks)}
     with _eval_mode(drafter):
@@ -386,6 +385,46 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     return result
 
 
+def walk_subset(num_sequences: int, size: int, seed: int) -> np.ndarray:
+    """The responses (sorted indices) a walk over `size` of `num_sequences` responses visits, for `seed`."""
+    return np.sort(np.random.default_rng(seed).choice(num_sequences, size=size, replace=False))
+
+
+def resampled_walk_taus(walks: list[dict], *, num_resamples: int = 10000, size: int | None = None,
+                        seed: int = 0) -> np.ndarray:
+    """`tau` (tokens / rounds, pooled) of each walk over `num_resamples` draws of `size` responses (default: as many
+    as were walked) with replacement, the same draw for every walk: `(R, len(walks))`.
+
+    `walks` are one mode of `evaluate_walk` results (e.g. `result["walk"]["tree"]`) over the same responses.
+    """
+    for name, walk in enumerate(walks):
+        if not isinstance(walk, dict) or "per_sequence" not in walk:
+            raise ValueError(f"walk {name} must be one mode of an `evaluate_walk` result with its `per_sequence` "
+                             "record (written since this function exists: re-run `eval-offline --walk-sequences`); "
+                             f"got {type(walk).__name__} with keys {sorted(walk) if isinstance(walk, dict) else None}.")
+    seqs = [walk["per_sequence"]["seq"] for walk in walks]
+    if any(seq != seqs[0] for seq in seqs):
+        raise ValueError(f"The walks covered different responses ({', '.join(str(len(s)) for s in seqs)}, not the "
+                         "same ids in the same order); a paired comparison needs the same held-out data, shards and "
+                         "`walk_sequences` for all.")
+    if not isinstance(num_resamples, int) or num_resamples < 1:
+        raise ValueError(f"`num_resamples` must be a positive integer, got {num_resamples!r}.")
+    if size is not None and (not isinstance(size, int) or size < 1):
+        raise ValueError(f"`size` must be a positive integer (responses per draw) or None, got {size!r}.")
+    n = len(seqs[0])
+    draws = np.random.default_rng(seed).integers(0, n, size=(num_resamples, size or n))  # (R, S)
+    taus = []
+    for walk in walks:
+        rounds, tokens = (np.asarray(walk["per_sequence"][k], dtype=np.float64) for k in ("rounds", "tokens"))  # (N,)
+        taus.append(tokens[draws].sum(1) / rounds[draws].sum(1))  # (R,)
+    return np.stack(taus, 1)  # (R, len(walks))
+
+
+def walk_tau(walk: dict) -> float:
+    """Pooled `tau` of one walk mode from its `per_sequence` record."""
+    return float(sum(walk["per_sequence"]["tokens"]) / sum(walk["per_sequence"]["rounds"]))
+
+
 def paired_walk_difference(a: dict, b: dict, *, num_resamples: int = 10000, seed: int = 0) -> dict:
     """How far walk `b`'s `tau` is from walk `a`'s, with its sampling noise over the responses walked.
 
@@ -395,25 +434,13 @@ def paired_walk_difference(a: dict, b: dict, *, num_resamples: int = 10000, seed
     `tau_b`, `difference`, `ci95` (the 2.5 and 97.5 percentiles of the resampled differences), `p_not_above`
     (the share of draws where `b` is not above `a`), `num_sequences` and `num_resamples`.
     """
-    for name, walk in (("a", a), ("b", b)):
-        if not isinstance(walk, dict) or "per_sequence" not in walk:
-            raise ValueError(f"`{name}` must be one mode of an `evaluate_walk` result with its `per_sequence` record "
-                             "(written since this function exists: re-run `eval-offline --walk-sequences`); got "
-                             f"{type(walk).__name__} with keys {sorted(walk) if isinstance(walk, dict) else None}.")
-    if a["per_sequence"]["seq"] != b["per_sequence"]["seq"]:
-        raise ValueError(f"`a` and `b` walked different responses ({len(a['per_sequence']['seq'])} and "
-                         f"{len(b['per_sequence']['seq'])}, not the same ids in the same order); a paired comparison "
-                         "needs the same held-out data, shards and `walk_sequences` for both.")
-    if not isinstance(num_resamples, int) or num_resamples < 1:
-        raise ValueError(f"`num_resamples` must be a positive integer, got {num_resamples!r}.")
-    ra, ta = (np.asarray(a["per_sequence"][k], dtype=np.float64) for k in ("rounds", "tokens"))  # (N,)
-    rb, tb = (np.asarray(b["per_sequence"][k], dtype=np.float64) for k in ("rounds", "tokens"))  # (N,)
-    draws = np.random.default_rng(seed).integers(0, len(ra), size=(num_resamples, len(ra)))  # (R, N)
-    diffs = tb[draws].sum(1) / rb[draws].sum(1) - ta[draws].sum(1) / ra[draws].sum(1)  # (R,)
-    tau_a, tau_b = float(ta.sum() / ra.sum()), float(tb.sum() / rb.sum())
+    taus = resampled_walk_taus([a, b], num_resamples=num_resamples, seed=seed)  # (R, 2)
+    diffs = taus[:, 1] - taus[:, 0]  # (R,)
+    tau_a, tau_b = walk_tau(a), walk_tau(b)
     return {"tau_a": tau_a, "tau_b": tau_b, "difference": tau_b - tau_a,
             "ci95": [float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))],
-            "p_not_above": float((diffs <= 0).mean()), "num_sequences": len(ra), "num_resamples": num_resamples}
+            "p_not_above": float((diffs <= 0).mean()), "num_sequences": len(a["per_sequence"]["seq"]),
+            "num_resamples": num_resamples}
 
 
 def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Path]:
@@ -447,5 +474,5 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
 
 
 __all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "paired_walk_difference",
-           "reference_chain", "sequence_walks", "summarize", "tree_accepted_length", "tree_matching_path",
-           "walk_rounds", "write_report"]
+           "reference_chain", "resampled_walk_taus", "sequence_walks", "summarize", "tree_accepted_length",
+           "tree_matching_path", "walk_rounds", "walk_subset", "walk_tau", "write_report"]

@@ -14,6 +14,7 @@ from hf_chainflow.evaluation import (
     evaluate_offline,
     evaluate_walk,
     paired_walk_difference,
+    resampled_walk_taus,
     reference_chain,
     sequence_walks,
     summarize,
@@ -192,12 +193,16 @@ def test_paired_walk_difference_pools_tokens_over_rounds_and_resamples_responses
     mixed = paired_walk_difference(a, _walk([10, 10, 20], [30, 15, 40]), num_resamples=2000)
     assert mixed["difference"] == pytest.approx(85 / 40 - 2.0)
     assert mixed["ci95"][0] < 0 < mixed["ci95"][1] and 0 < mixed["p_not_above"] < 1
-    with pytest.raises(ValueError, match="walked different responses"):
+    with pytest.raises(ValueError, match="walks covered different responses"):
         paired_walk_difference(a, _walk([10, 10, 20], [20, 20, 40], seq=[0, 1, 5]))
-    with pytest.raises(ValueError, match="`b` must be one mode of an `evaluate_walk` result .* keys \\['tau'\\]"):
+    with pytest.raises(ValueError, match="walk 1 must be one mode of an `evaluate_walk` result .* keys \\['tau'\\]"):
         paired_walk_difference(a, {"tau": 2.0})
     with pytest.raises(ValueError, match="`num_resamples` must be a positive integer, got 0"):
         paired_walk_difference(a, a, num_resamples=0)
+    with pytest.raises(ValueError, match="`size` must be a positive integer .* got 0"):
+        resampled_walk_taus([a], size=0)
+    spread = resampled_walk_taus([a, _walk([10, 10, 20], [30, 15, 40])], num_resamples=50, size=2)
+    assert spread.shape == (50, 2) and np.all(spread[:, 0] == 2.0)  # every draw of a: tau 2.0
 
 
 def test_walk_equals_a_walk_over_per_window_lengths(setup):
@@ -270,6 +275,6 @@ def test_walk_comparison_scripts_print_differences_and_intervals(tmp_path):
     out = run(str(examples / "compare_walks.py"), files[0], files[1], "--resamples", "200")
     assert "walk tree: A 2.0000  B 2.1600  B - A +0.1600" in out  # tokens 100 + 8 over 50 rounds
     out = run(str(examples / "compare_walks.py"), files[0], files[1], "--subset", "2", "--resamples", "200")
-    assert out.startswith("2 responses")
+    assert out.startswith("2 responses") and "A's walk tree tau over random 2-response draws: SD" in out
     out = run(str(examples / "compare_walk_gains.py"), *files, "--resamples", "200")
     assert "B - A +0.1600, C - B +0.0800, (B - A) - (C - B) +0.0800" in out
