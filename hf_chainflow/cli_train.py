@@ -2,6 +2,7 @@
 
     hf-chainflow train --target smollm2-135m-instruct --data DATA_DIR --out DRAFTER_DIR [--config train.yaml]
     hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_DRAFTER --lr 1.2e-4 --replay EN_DATA
+    hf-chainflow train --init-from D1 --data NEW --replay OLD1 --replay-shards 0-20 --replay OLD2 --replay-shards all
     hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_ADAPTER --lora tr
     hf-chainflow eval-offline --drafter DRAFTER_DIR --data HELD_OUT_DIR --out REPORT_DIR [--tree 8x4]
 
@@ -77,9 +78,12 @@ def add_train_parser(sub) -> None:
     a("--train-flow-steps", type=int, help="N, Euler steps integrated in training (default: the drafter config's)")
     a("--max-windows", type=int, help="train on a seeded random subset of this many windows")
     a("--shards", type=parse_shards, help="use only these finished shards, e.g. `0-6` or `0,2,5` (default: all)")
-    a("--replay", help="prepared data directory of earlier languages to mix in (replay)")
-    a("--replay-shards", type=parse_shards,
-      help="use only these finished shards of --replay, e.g. `0-20` to keep its held-out shards out (default: all)")
+    a("--replay", action="append",
+      help="prepared data directory of earlier data (languages, rounds) to mix in; repeatable: the replayed rows are "
+           "drawn from all of them together, in proportion to their windows")
+    a("--replay-shards", action="append", type=parse_shard_selection,
+      help="use only these finished shards of --replay, e.g. `0-20` to keep its held-out shards out (default: all); "
+           "with several --replay, give it once per --replay in the same order (`all` for every finished shard)")
     a("--replay-fraction", type=float, help="share of replay rows in the mix (default 0.2)")
     a("--num-workers", type=int, help="data-loader workers")
     a("--resume", help="resume from a checkpoint directory, or 'last' for the newest under --out")
@@ -115,14 +119,14 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
             opts[key] = value
     opts["drafter"] = {**opts["drafter"], **dict(args.drafter_arg or [])}
     opts["training_args"] = {**opts["training_args"], **dict(args.training_arg or [])}
-    for key in ("shards", "replay_shards"):
-        if opts[key] is not None and not isinstance(opts[key], list):
-            opts[key] = parse_shards(opts[key])  # from the YAML file
+    if opts["shards"] is not None and not isinstance(opts["shards"], list):
+        opts["shards"] = parse_shards(opts["shards"])  # from the YAML file
     for key in ("data", "out"):
         if not opts[key]:
             raise SystemExit(f"train: --{key} is required (on the command line or in --config).")
     if opts["replay_shards"] is not None and not opts["replay"]:
         raise SystemExit("train: --replay-shards selects shards of the --replay data; give --replay too.")
+    opts["replay"], opts["replay_shards"] = replay_sources(opts["replay"], opts["replay_shards"])
     if opts["lora"] and not opts["init_from"]:
         raise SystemExit("train: --lora adapts an existing drafter; give it with --init-from.")
     return opts
@@ -138,6 +142,34 @@ def parse_shards(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shards takes numbers and ranges like `0-6` or `0,2,5`, got {text!r}.")
     return shards
+
+
+def parse_shard_selection(text: str) -> list[int] | None:
+    """`parse_shards`, or None (every finished shard) for `"all"`."""
+    return None if str(text).strip() == "all" else parse_shards(text)
+
+
+def replay_sources(replay, replay_shards) -> tuple[list[str], list[list[int] | None]]:
+    """The replay directories and, aligned with them, each one's shard selection (None: every finished shard).
+
+    `replay`: None, one directory or a list (repeated `--replay`, or a YAML list).  `replay_shards`: None, one
+    selection (`"0-20"`, or a YAML list of numbers) for a single directory, or one selection per directory (repeated
+    `--replay-shards`, or a YAML list of strings; `"all"` keeps every finished shard)."""
+    dirs = [] if replay is None else [replay] if isinstance(replay, (str, Path)) else list(replay)
+    dirs = [str(d) for d in dirs]
+    if replay_shards is None:
+        selections = [None] * len(dirs)
+    elif isinstance(replay_shards, str):
+        selections = [parse_shard_selection(replay_shards)]
+    elif all(isinstance(x, int) for x in replay_shards):
+        selections = [list(replay_shards)]
+    else:
+        selections = [x if x is None or isinstance(x, list) else parse_shard_selection(x) for x in replay_shards]
+    if len(selections) != len(dirs):
+        raise SystemExit(f"train: --replay-shards was given {len(selections)} time(s) for {len(dirs)} --replay "
+                         f"director{'y' if len(dirs) == 1 else 'ies'} {dirs}; give it once per --replay, in the same "
+                         f"order (`all` for every finished shard), or not at all.")
+    return dirs, selections
 
 
 def _window_dataset(data_dir, config, **kwargs):
@@ -175,6 +207,8 @@ def run_train(args: argparse.Namespace) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
     from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist
+    from torch.utils.data import ConcatDataset
+
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
     o = resolve_train_options(args)
@@ -204,8 +238,12 @@ def run_train(args: argparse.Namespace) -> int:
         model = add_language_adapter(model, o["lora"], lora_config(r=o["lora_rank"]))
 
     train_set = _window_dataset(o["data"], config, max_windows=o["max_windows"], seed=o["seed"], shards=o["shards"])
+    replay_windows = []
     if o["replay"]:
-        replay = _window_dataset(o["replay"], config, shards=o["replay_shards"])
+        parts = [_window_dataset(d, config, shards=s) for d, s in zip(o["replay"], o["replay_shards"])]
+        replay_windows = [{"dir": d, "shards": s, "windows": len(part)}
+                          for d, s, part in zip(o["replay"], o["replay_shards"], parts)]
+        replay = parts[0] if len(parts) == 1 else ConcatDataset(parts)  # rows drawn from all, by their windows
         train_set = ReplayMixDataset(train_set, replay, o["replay_fraction"], seed=o["seed"])
     targs = dict(output_dir=o["out"], num_train_epochs=o["epochs"], max_steps=o["max_steps"],
                  per_device_train_batch_size=o["batch_size"], learning_rate=o["lr"],
@@ -238,6 +276,7 @@ def run_train(args: argparse.Namespace) -> int:
     summary = {**throughput_summary(first_step, trainer.state.global_step, o["batch_size"] * o["grad_accum"],
                                     elapsed),
                "train_loss": result.training_loss, "num_train_windows": len(train_set),
+               "replay_windows_available": replay_windows,
                "options": {k: v for k, v in o.items()}}
     Path(o["out"], "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"

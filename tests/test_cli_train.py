@@ -78,10 +78,29 @@ def test_prepare_rejects_cuda_without_a_gpu(monkeypatch):
 def test_replay_shards_parse_from_yaml_and_need_replay(tmp_path):
     cfg = tmp_path / "train.yaml"
     cfg.write_text("data: /d\nout: /o\nreplay: /r\nreplay_shards: 0-2,5\n")
-    assert resolve_train_options(parse("--config", str(cfg)))["replay_shards"] == [0, 1, 2, 5]
-    assert resolve_train_options(parse("--config", str(cfg), "--replay-shards", "3"))["replay_shards"] == [3]
+    assert resolve_train_options(parse("--config", str(cfg)))["replay_shards"] == [[0, 1, 2, 5]]
+    assert resolve_train_options(parse("--config", str(cfg), "--replay-shards", "3"))["replay_shards"] == [[3]]
+    assert resolve_train_options(parse("--config", str(cfg)))["replay"] == ["/r"]
     with pytest.raises(SystemExit, match="--replay-shards .* give --replay too"):
         resolve_train_options(parse("--data", "/d", "--out", "/o", "--replay-shards", "0-20"))
+
+
+def test_several_replay_directories_pair_with_their_shard_selections(tmp_path):
+    o = resolve_train_options(parse("--data", "/d", "--out", "/o", "--replay", "/a", "--replay-shards", "0-2",
+                                    "--replay", "/b", "--replay-shards", "all"))
+    assert o["replay"] == ["/a", "/b"] and o["replay_shards"] == [[0, 1, 2], None]
+    o = resolve_train_options(parse("--data", "/d", "--out", "/o", "--replay", "/a", "--replay", "/b"))
+    assert o["replay"] == ["/a", "/b"] and o["replay_shards"] == [None, None]
+    with pytest.raises(SystemExit, match=r"--replay-shards was given 1 time\(s\) for 2 --replay directories "
+                                         r"\['/a', '/b'\]; give it once per --replay"):
+        resolve_train_options(parse("--data", "/d", "--out", "/o", "--replay", "/a", "--replay-shards", "0",
+                                    "--replay", "/b"))
+    cfg = tmp_path / "train.yaml"  # the same in YAML: a list of directories, a list of selections
+    cfg.write_text("data: /d\nout: /o\nreplay: [/a, /b]\nreplay_shards: ['0-1', all]\n")
+    o = resolve_train_options(parse("--config", str(cfg)))
+    assert o["replay"] == ["/a", "/b"] and o["replay_shards"] == [[0, 1], None]
+    with pytest.raises(SystemExit, match="given 2 time"):  # the command line's one directory, the file's two selections
+        resolve_train_options(parse("--config", str(cfg), "--replay", "/c"))
 
 
 def test_throughput_of_a_resumed_run_counts_only_its_own_steps():

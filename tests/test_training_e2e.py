@@ -82,6 +82,17 @@ def _run(tmp: Path):
                  "--batch-size", "8", "--save-steps", "1000"]) == 0
     continued = json.loads((tmp / "continued" / "train_summary.json").read_text())
     assert continued["num_train_windows"] == 2 * tau["drafter"]["num_windows"]  # the held-out windows + as many replayed
+    assert [r["shards"] for r in continued["replay_windows_available"]] == [[0]]
+    # Two replay directories, each with its own selection: the replayed rows come from both together.
+    assert main(["train", "--target", str(tmp / "target"), "--init-from", str(tmp / "drafter"),
+                 "--data", str(tmp / "data-heldout"), "--out", str(tmp / "continued-2"),
+                 "--replay", str(tmp / "data-train"), "--replay-shards", "0", "--replay", str(tmp / "data-heldout"),
+                 "--replay-shards", "all", "--replay-fraction", "0.5", "--max-steps", "1", "--batch-size", "8",
+                 "--save-steps", "1000"]) == 0
+    two = json.loads((tmp / "continued-2" / "train_summary.json").read_text())
+    assert [(r["shards"], r["windows"]) for r in two["replay_windows_available"]] == [
+        ([0], continued["replay_windows_available"][0]["windows"]), (None, tau["drafter"]["num_windows"])]
+    assert two["num_train_windows"] == 2 * tau["drafter"]["num_windows"]
     with pytest.raises(ValueError, match=r"`shards` \[7\] are not finished"):  # the replay data has shard 0 only
         main(["train", "--target", str(tmp / "target"), "--init-from", str(tmp / "drafter"), "--data",
               str(tmp / "data-heldout"), "--out", str(tmp / "continued-7"), "--replay", str(tmp / "data-train"),
