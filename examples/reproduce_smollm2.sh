@@ -15,12 +15,13 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
 # stage: 6000 steps on the new responses + replay, warm-started. Round 4: 3000 steps on a fourth round of responses
 # + replay, warm-started. Round 5: 2000 steps at lr 1e-4 on a fifth round + shards 0-3 replayed. Round 6: 1000
 # steps on half a sixth round + shards 0-7 replayed, with the distillation term. Round 7: 2000 steps on a seventh
-# round + shards 0-7 replayed, the distillation term, one training flow step for both drafters. Rounds 8 and 9: the
-# round-7 command on an eighth and a ninth round, one after the other.
+# round + shards 0-7 replayed, the distillation term, one training flow step for both drafters. Rounds 8 to 11: the
+# round-7 command on each next round, one after the other. Round 12: the same on a twelfth round, with every
+# earlier round replayed (repeated --replay) instead of shards 0-7 alone.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
-# Rounds 4 to 8 of the shipped drafters warm-started from the previous stage's float16 file (the one shipped), round 9
-# from round 8's float32 output (round 8 was not shipped on its own); this script warm-starts every stage from the
-# previous stage's float32 output, which rounds to that file.
+# Rounds 4 to 8 of the shipped drafters warm-started from the previous stage's float16 file (the one shipped), rounds
+# 9 to 12 from the previous round's float32 output (rounds 8, 10 and 11 were not shipped on their own); this script
+# warm-starts every stage from the previous stage's float32 output, which rounds to that file.
 hf-chainflow train --config examples/train_smollm2.yaml --data "$OUT/data" --out "$OUT/chainflow-stage1"
 hf-chainflow train --config examples/train_smollm2_flashmap.yaml --data "$OUT/data" --out "$OUT/flashmap-stage1"
 python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" \
@@ -72,6 +73,26 @@ for round in "more6 2031" "more7 2032"; do
         --shuffle-seed 0 --batch-size 32
     excludes+=(--exclude "$OUT/$1/prompts.jsonl")
 done
+# Rounds 10-12 (docs/data.md): MT-Bench's training prompts run out after round 9, so round 10 takes 192 prompts of
+# each of the other seven evaluation domains and the 79 MT-Bench prompts left; rounds 11 and 12 the seven alone.
+printf '{"domain": "%s"}\n' code math qa rag summ tool transl > "$OUT/domains7.jsonl"
+echo '{"domain": "mt"}' > "$OUT/domains-mt.jsonl"
+for round in "more8 2033" "more9 2034" "more10 2035"; do
+    set -- $round
+    mkdir -p "$OUT/$1"
+    python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" "${excludes[@]}" \
+        --domains-from "$OUT/domains7.jsonl" --per-domain 192 --seed "$2" --out "$OUT/$1/prompts7.jsonl"
+    if [ "$1" = more8 ]; then
+        python examples/select_training_prompts.py --prompts "$SHARED/data/prompts/train.jsonl" "${excludes[@]}" \
+            --domains-from "$OUT/domains-mt.jsonl" --per-domain 79 --seed "$2" --out "$OUT/$1/prompts-mt.jsonl"
+        cat "$OUT/$1/prompts7.jsonl" "$OUT/$1/prompts-mt.jsonl" > "$OUT/$1/prompts.jsonl"
+    else
+        cp "$OUT/$1/prompts7.jsonl" "$OUT/$1/prompts.jsonl"
+    fi
+    hf-chainflow prepare --prompts "$OUT/$1/prompts.jsonl" --out "$OUT/$1/data" --shard-size 128 \
+        --shuffle-seed 0 --batch-size 32
+    excludes+=(--exclude "$OUT/$1/prompts.jsonl")
+done
 for name in chainflow flashmap; do
     hf-chainflow train --config examples/train_smollm2_stage2.yaml --init-from "$OUT/$name-stage1" \
         --data "$OUT/data" --out "$OUT/$name-stage2"
@@ -100,14 +121,21 @@ hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$OUT
 # for ChainFlow too (the step count it serves with).
 for name in chainflow flashmap; do
     prev="$OUT/$name-round6"
-    for round in "round7 more5" "round8 more6" "round9 more7"; do
+    # Rounds 8 to 11: the round-7 command on each round in turn (rounds 10 and 11 were not shipped on their own).
+    for round in "round7 more5 0-11" "round8 more6 0-11" "round9 more7 0-11" "round10 more8 0-11" "round11 more9 0-10"; do
         set -- $round
-        stage_out="$OUT/$name-$1"; [ "$1" = round9 ] && stage_out="$OUT/$name"
         hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$prev" \
-            --data "$OUT/$2/data" --shards 0-11 --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 2000 \
-            --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$stage_out"
-        prev="$stage_out"
+            --data "$OUT/$2/data" --shards "$3" --replay "$OUT/data" --replay-shards 0-7 --lr 1e-4 --max-steps 2000 \
+            --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name-$1"
+        prev="$OUT/$name-$1"
     done
+    # Round 12: the same command on the twelfth round, replaying every earlier round's responses together (shards 0-7
+    # of the shared responses and rounds 6-11; rounds 3-5 were no longer on the machine that trained it).
+    replays=(--replay "$OUT/data" --replay-shards 0-7)
+    for d in more4 more5 more6 more7 more8 more9; do replays+=(--replay "$OUT/$d/data" --replay-shards all); done
+    hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$prev" \
+        --data "$OUT/more10/data" --shards 0-10 "${replays[@]}" --lr 1e-4 --max-steps 2000 --threads 1 \
+        --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name"
 done
 for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
