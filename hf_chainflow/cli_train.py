@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.data import ConcatDataset
 
 # Built-in defaults of `train`; the parser's defaults are None so that a YAML value can fill any option not given.
 TRAIN_DEFAULTS = {
@@ -207,8 +208,6 @@ def run_train(args: argparse.Namespace) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
     from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist
-    from torch.utils.data import ConcatDataset
-
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
     o = resolve_train_options(args)
