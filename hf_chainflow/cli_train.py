@@ -242,7 +242,7 @@ def run_train(args: argparse.Namespace) -> int:
         parts = [_window_dataset(d, config, shards=s) for d, s in zip(o["replay"], o["replay_shards"])]
         replay_windows = [{"dir": d, "shards": s, "windows": len(part)}
                           for d, s, part in zip(o["replay"], o["replay_shards"], parts)]
-        replay = parts[0] if len(parts) == 1 else ConcatDataset(parts)  # rows drawn from all, by their windows
+        replay = ConcatDataset(parts)  # replayed rows are drawn from all directories, in proportion to their windows
         train_set = ReplayMixDataset(train_set, replay, o["replay_fraction"], seed=o["seed"])
     targs = dict(output_dir=o["out"], num_train_epochs=o["epochs"], max_steps=o["max_steps"],
                  per_device_train_batch_size=o["batch_size"], learning_rate=o["lr"],
