@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same recipe on the same data (nine stages), offline tau on the held-out
+# FlashMap-style comparison trained with the same recipe on the same data (fourteen stages), offline tau on the held-out
 # shards 21-25. The third, fourth, fifth, seventh, eighth and ninth stages each first generate the target's responses
-# to 1,536 more training prompts, the sixth to 768 (about 50 minutes for 1,536 on a 2-core CPU with AVX-512 BF16, 2.4 hours on an
+# to 1,536 more training prompts, the sixth to 768, rounds 10-12 to 1,423, 1,344 and 1,344 (the two round-13 stages
+# add none) (about 50 minutes for 1,536 on a 2-core CPU with AVX-512 BF16, 2.4 hours on an
 # AVX2-only one; minutes with `--device cuda`).
 #   bash examples/reproduce_smollm2.sh [SHARED_DIR] [OUT_DIR]
 set -euo pipefail
@@ -17,7 +18,8 @@ hf-chainflow prepare --responses "$SHARED/data/responses/smollm2-135m-instruct.j
 # steps on half a sixth round + shards 0-7 replayed, with the distillation term. Round 7: 2000 steps on a seventh
 # round + shards 0-7 replayed, the distillation term, one training flow step for both drafters. Rounds 8 to 11: the
 # round-7 command on each next round, one after the other. Round 12: the same on a twelfth round, with every
-# earlier round replayed (repeated --replay) instead of shards 0-7 alone.
+# earlier round replayed (repeated --replay) instead of shards 0-7 alone. Round 13: two consolidation stages on
+# the same data with no new responses, the replayed part at 77.5 % of the mix.
 # (A third stage, examples/train_smollm2_stage3.yaml, was run on a GPU and not shipped: docs/results.md.)
 # Rounds 4 to 8 of the shipped drafters warm-started from the previous stage's float16 file (the one shipped), rounds
 # 9 to 12 from the previous round's float32 output (rounds 8, 10 and 11 were not shipped on their own); this script
@@ -135,7 +137,19 @@ for name in chainflow flashmap; do
     for d in more4 more5 more6 more7 more8 more9; do replays+=(--replay "$OUT/$d/data" --replay-shards all); done
     hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$prev" \
         --data "$OUT/more10/data" --shards 0-10 "${replays[@]}" --lr 1e-4 --max-steps 2000 --threads 1 \
-        --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name"
+        --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name-round12"
+    # Round 13: two consolidation stages, no new responses: the same data and replays with the replayed part at
+    # 77.5 % of the mix (a seeded half of the replay pool), 2,000 steps each, the second from the first with seed 1.
+    prev="$OUT/$name-round12"
+    for stage in "round13a 0" "round13 1"; do
+        set -- $stage
+        out="$OUT/$name-$1"
+        [ "$1" = round13 ] && out="$OUT/$name"
+        hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$prev" \
+            --data "$OUT/more10/data" --shards 0-10 "${replays[@]}" --replay-fraction 0.775 --seed "$2" --lr 1e-4 \
+            --max-steps 2000 --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$out"
+        prev="$out"
+    done
 done
 for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
