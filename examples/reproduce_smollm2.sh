@@ -140,16 +140,11 @@ for name in chainflow flashmap; do
         --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$OUT/$name-round12"
     # Round 13: two consolidation stages, no new responses: the same data and replays with the replayed part at
     # 77.5 % of the mix (a seeded half of the replay pool), 2,000 steps each, the second from the first with seed 1.
-    prev="$OUT/$name-round12"
-    for stage in "round13a 0" "round13 1"; do
-        set -- $stage
-        out="$OUT/$name-$1"
-        [ "$1" = round13 ] && out="$OUT/$name"
-        hf-chainflow train --config examples/train_smollm2_round5.yaml --init-from "$prev" \
-            --data "$OUT/more10/data" --shards 0-10 "${replays[@]}" --replay-fraction 0.775 --seed "$2" --lr 1e-4 \
-            --max-steps 2000 --threads 1 --training-arg loss_kd_weight=1.0 --train-flow-steps 1 --out "$out"
-        prev="$out"
-    done
+    round13=(--config examples/train_smollm2_round5.yaml --data "$OUT/more10/data" --shards 0-10 "${replays[@]}"
+             --replay-fraction 0.775 --lr 1e-4 --max-steps 2000 --threads 1 --training-arg loss_kd_weight=1.0
+             --train-flow-steps 1)
+    hf-chainflow train "${round13[@]}" --init-from "$OUT/$name-round12" --seed 0 --out "$OUT/$name-round13a"
+    hf-chainflow train "${round13[@]}" --init-from "$OUT/$name-round13a" --seed 1 --out "$OUT/$name"
 done
 for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
