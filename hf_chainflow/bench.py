@@ -42,7 +42,6 @@ Default tolerance (`DEFAULT_TIE_TOLERANCE` = 0.5 logits), measured on SmolLM2-13
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -55,6 +54,7 @@ import torch
 
 from .bench_journal import JOURNAL_NAME, BenchJournal, config_digest, journal_header, run_from_dict, weights_digest
 from .bench_report import markdown_table, same_length_summary, write_results
+from .cli_args import check_model_source, check_output_dir
 from .lookup import lookup_settings
 from .stats import SpeculativeStats
 
@@ -74,6 +74,8 @@ def default_prompts_path() -> Path:
 
 def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
     """Rows `{id, domain, language, prompt}` of a JSONL file (default: the shipped evaluation prompts)."""
+    from .data import parse_jsonl_line
+
     path = Path(path) if path is not None else default_prompts_path()
     if not path.is_file():
         raise ValueError(f"`--prompts` must be a JSONL file, got {str(path)!r}, which does not exist.")
@@ -82,7 +84,7 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            row = parse_jsonl_line(line, path, n)
             missing = [k for k in ("id", "domain", "prompt") if k not in row]
             if missing:
                 raise ValueError(f"{path}:{n}: every prompt row needs `id`, `domain` and `prompt`; missing {missing}.")
@@ -651,7 +653,8 @@ def _parse_extra_drafters(items: list[str] | None) -> dict[str, str]:
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="Wall-clock speed and exactness of ar / prompt lookup / ChainFlow arms.",
-                       description=__doc__.split("\n\n")[1])
+                       description="\n\n".join(__doc__.split("\n\n")[1:5]),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
     p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
     p.add_argument("--drafter", action="append", metavar="NAME=PATH",
@@ -659,7 +662,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--no-default-drafter", action="store_true", help="run no `chain`/`tree` arms of the default drafter")
     p.add_argument("--arms", help="comma-separated arm names to run (default: all, e.g. ar,pld,chain,tree)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
-    p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32")
+    p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
+                   help="dtype of the drafters' weights (default float32)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the pld arm")
     p.add_argument("--chain", type=int, help="chain length (default: the drafter's num_assistant_tokens)")
     p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
@@ -676,7 +680,7 @@ def add_bench_parser(sub) -> None:
                         "(default: fixed length)")
     p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
     p.add_argument("--limit", type=int, help="benchmark N prompts, stratified by domain")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt and arm (default 128)")
     p.add_argument("--tie-tolerance", type=float, default=DEFAULT_TIE_TOLERANCE,
                    help="logit gap below which a low-precision difference is a near-tie (default: measured, see docs)")
     p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
@@ -688,7 +692,7 @@ def add_bench_parser(sub) -> None:
                    help="with --resume: run no prompt; summarise the prompts the journal holds so far into "
                         "--output-dir/partial/ (results.json marked `partial`, the table, the plots)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_bench_command)
 
 
@@ -739,6 +743,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
     wants_default = not args.no_default_drafter and (only is None or bool(default_arms & set(only)))
     paths = {"chainflow": args.drafter_path or str(default_drafter_path())} if wants_default else {}
     paths.update(_parse_extra_drafters(args.drafter))
+    if args.no_default_drafter and only is not None and default_arms & set(only):
+        raise ValueError(f"`--arms` asks for {sorted(default_arms & set(only))}, arms of the default drafter, but "
+                         f"`--no-default-drafter` leaves it out; drop one of the two.")
+    if only is not None:  # checked here, before loading: the drafters not asked for are not loaded at all
+        possible = ["ar", "pld"] + ([] if args.no_default_drafter else sorted(default_arms)) + [
+            f"{n}-{kind}" for n in paths if n != "chainflow" for kind in ("chain", "tree")]
+        unknown = [a for a in only if a not in possible]
+        if unknown:
+            raise ValueError(f"`--arms` names unknown arms {unknown}; this command can run {possible}.")
+    for name, path in paths.items():
+        if name != "chainflow" or args.drafter_path:
+            check_model_source("--drafter-path" if name == "chainflow" else f"--drafter {name}=PATH", path)
+    check_output_dir("--output-dir", args.output_dir)
 
     all_rows = load_prompts(args.prompts)
     rows = stratified_selection(all_rows, args.limit)

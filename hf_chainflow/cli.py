@@ -1,4 +1,6 @@
-"""`hf-chainflow` command line. Each subcommand is one `add_<name>_parser` + one `run_<name>` function.
+"""`hf-chainflow`: prepare data, train and evaluate ChainFlow drafters, benchmark and demo speculative decoding.
+
+Each subcommand is one `add_<name>_parser` + one `run_<name>` function:
 
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
@@ -11,11 +13,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from hf_chainflow.bench import add_bench_parser
+from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int
 from hf_chainflow.cli_train import add_eval_offline_parser, add_train_parser
 from hf_chainflow.demo import add_demo_parser
 
@@ -28,6 +32,7 @@ def load_model_and_tokenizer(target: str, dtype: torch.dtype = torch.float32):
 
     if target in KNOWN_TARGETS:
         return load_target(target, dtype=dtype)
+    check_model_source("--target", target, tuple(KNOWN_TARGETS))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval(), AutoTokenizer.from_pretrained(target)
@@ -40,20 +45,20 @@ def add_prepare_parser(sub) -> None:
                        description="Resumable: rerun the same command to continue a killed run.")
     p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
     p.add_argument("--prompts", help="JSONL of prompts (id, domain, language, prompt[, turns])")
-    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--prompt-column", default="prompt", help="column of --prompts holding the prompt text")
     p.add_argument("--responses", help="JSONL of already-generated responses (id, prompt_ids, response_ids, ...); "
                                        "without --prompts, these rows are the data set")
     p.add_argument("--out", required=True, help="output directory (shards, manifest, shortlist)")
-    p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest generated response, in tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="generation dtype")
-    p.add_argument("--shard-size", type=int, default=128, help="sequences per shard")
-    p.add_argument("--max-batch-tokens", type=int, default=4096, help="padded tokens per hidden-state forward")
-    p.add_argument("--limit", type=int, help="use only the first N rows")
+    p.add_argument("--shard-size", type=positive_int, default=128, help="sequences per shard")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=4096, help="padded tokens per hidden-state forward")
+    p.add_argument("--limit", type=positive_int, help="use only the first N rows")
     p.add_argument("--shuffle-seed", type=int, default=0, help="order of the sequences (shards mix domains)")
     p.add_argument("--keep-order", action="store_true", help="keep the input order instead of shuffling")
-    p.add_argument("--max-shards", type=int, help="stop after this many new shards")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads")
+    p.add_argument("--max-shards", type=positive_int, help="stop after this many new shards")
+    p.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
     p.add_argument("--device", help="device of the target's passes, e.g. `cuda` (default: `cuda` when available, "
                                     "else `cpu`); the hidden states are computed in float32 either way")
     p.set_defaults(func=run_prepare)
@@ -75,6 +80,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"prepare: --device {args.device!r} needs a CUDA GPU, and torch sees none; use `--device cpu` "
                          f"or leave --device out.")
+    for flag, path in (("--prompts", args.prompts), ("--responses", args.responses)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "
+                             f"{'is a directory' if os.path.isdir(path) else 'does not exist'}.")
+    check_output_dir("--out", args.out)
     model, tokenizer = load_model_and_tokenizer(args.target, torch.float32)
     model.to(device)
     manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=args.responses,
@@ -88,8 +98,14 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------------------- main
 
+# Errors of the user's input (our `ValueError`s name the option and the fix; a missing or misplaced file is an
+# `OSError`): printed as one line, like argparse's own errors. HF_CHAINFLOW_TRACEBACK=1 shows the traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-chainflow", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hf-chainflow", description=__doc__.splitlines()[0],
+                                     epilog="Set HF_CHAINFLOW_TRACEBACK=1 to see the traceback of an error.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_prepare_parser(sub)
     add_train_parser(sub)
@@ -101,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        if os.environ.get("HF_CHAINFLOW_TRACEBACK"):
+            raise
+        raise SystemExit(f"hf-chainflow {args.command}: error: {err}") from None
 
 
 if __name__ == "__main__":

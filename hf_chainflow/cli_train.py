@@ -1,4 +1,4 @@
-"""`hf-chainflow train` and `hf-chainflow eval-offline` (registered in `hf_chainflow.cli`).
+"""`hf-chainflow train` trains a ChainFlow drafter (or a LoRA adapter); `hf-chainflow eval-offline` measures its τ.
 
     hf-chainflow train --target smollm2-135m-instruct --data DATA_DIR --out DRAFTER_DIR [--config train.yaml]
     hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_DRAFTER --lr 1.2e-4 --replay EN_DATA
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import ConcatDataset
+
+from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int
 
 # Built-in defaults of `train`; the parser's defaults are None so that a YAML value can fill any option not given.
 TRAIN_DEFAULTS = {
@@ -70,10 +72,10 @@ def add_train_parser(sub) -> None:
     a("--batch-size", type=int, help="windows per device per step (default 64)")
     a("--lr", type=float, help="learning rate (default 5e-4; 1e-4..1.5e-4 for language adaptation)")
     a("--grad-accum", type=int, help="gradient accumulation steps")
-    a("--seed", type=int)
-    a("--logging-steps", type=int)
-    a("--save-steps", type=int)
-    a("--save-total-limit", type=int)
+    a("--seed", type=int, help="seed of the drafter's initialisation, the data order and the subsets (default 0)")
+    a("--logging-steps", type=int, help="log the losses every N steps (default 50)")
+    a("--save-steps", type=int, help="write a checkpoint every N steps (default 500)")
+    a("--save-total-limit", type=int, help="keep at most N checkpoints (default 2)")
     a("--vae-pretrain-steps", type=int, help="VAE-only (L_rec) steps before joint training (default 0)")
     a("--vae-lr-ratio", type=float, help="VAE lr as a fraction of --lr (default 1/20)")
     a("--train-flow-steps", type=int, help="N, Euler steps integrated in training (default: the drafter config's)")
@@ -103,7 +105,12 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
 
     opts = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TRAIN_DEFAULTS.items()}
     if args.config:
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not Path(args.config).is_file():
+            raise SystemExit(f"train: --config must be a YAML file, got {args.config!r}, which does not exist.")
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        except yaml.YAMLError as err:
+            raise SystemExit(f"train: --config {args.config} is not valid YAML:\n{err}") from None
         if not isinstance(loaded, dict):
             raise SystemExit(f"train: --config {args.config} must hold a YAML mapping, got {type(loaded).__name__}.")
         loaded = {k.replace("-", "_"): _numbers(v) for k, v in loaded.items()}
@@ -130,7 +137,60 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
     opts["replay"], opts["replay_shards"] = replay_sources(opts["replay"], opts["replay_shards"])
     if opts["lora"] and not opts["init_from"]:
         raise SystemExit("train: --lora adapts an existing drafter; give it with --init-from.")
+    _check_train_numbers(opts)
+    _check_field_names(opts)
+    check_output_dir("--out", opts["out"])
+    if opts["init_from"]:
+        check_model_source("--init-from", opts["init_from"])
+    if opts["resume"] not in (None, "last") and not Path(opts["resume"], "trainer_state.json").is_file():
+        raise SystemExit(f"train: --resume must be `last` or a checkpoint directory holding trainer_state.json, got "
+                         f"{opts['resume']!r}; the checkpoints are the checkpoint-* directories under --out.")
     return opts
+
+
+# option: (smallest value, whether it must be an integer, whether None is allowed)
+_TRAIN_NUMBERS = {
+    "epochs": (0, False, False), "batch_size": (1, True, False), "lr": (0, False, False), "grad_accum": (1, True, False),
+    "logging_steps": (1, True, False), "save_steps": (1, True, False), "save_total_limit": (1, True, False),
+    "lora_rank": (1, True, False), "vae_pretrain_steps": (0, True, False), "vae_lr_ratio": (0, False, False),
+    "num_workers": (0, True, False), "train_flow_steps": (1, True, True), "max_windows": (1, True, True),
+    "threads": (1, True, True), "seed": (None, True, False),
+}
+
+
+def _check_train_numbers(opts: dict) -> None:
+    """Numbers from the command line or the YAML file, checked before anything loads."""
+    for key, (low, integer, optional) in _TRAIN_NUMBERS.items():
+        value = opts[key]
+        if value is None and optional:
+            continue
+        kind = "an integer" if integer else "a number"
+        ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+        if ok and low is not None:
+            ok = value >= low if integer or low else value > 0
+        if not ok:
+            rule = "" if low is None else (f" >= {low}" if integer else " > 0")
+            raise SystemExit(f"train: --{key.replace('_', '-')} must be {kind}{rule}, got {value!r}.")
+    steps = opts["max_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
+        raise SystemExit(f"train: --max-steps must be a positive integer (or -1: train for --epochs), got {steps!r}.")
+
+
+def _check_field_names(opts: dict) -> None:
+    """`--drafter-arg` / `--training-arg` keys must name fields, or a typo would be ignored (or fail after loading)."""
+    import dataclasses
+
+    from hf_chainflow.configuration_chainflow import ChainFlowConfig
+    from hf_chainflow.trainer import ChainFlowTrainingArguments
+
+    checks = (("--drafter-arg", "drafter", set(ChainFlowConfig.__annotations__), "ChainFlowConfig"),
+              ("--training-arg", "training_args", {f.name for f in dataclasses.fields(ChainFlowTrainingArguments)},
+               "ChainFlowTrainingArguments"))
+    for flag, key, fields, owner in checks:
+        unknown = sorted(set(opts[key]) - fields)
+        if unknown:
+            raise SystemExit(f"train: {flag} (or `{key}` in --config) names {unknown}, which are not "
+                             f"{owner} fields; check the spelling (see `help({owner})`).")
 
 
 def parse_shards(text: str) -> list[int]:
@@ -139,9 +199,13 @@ def parse_shards(text: str) -> list[int]:
     try:
         for part in str(text).split(","):
             lo, _, hi = part.strip().partition("-")
-            shards += list(range(int(lo), int(hi or lo) + 1))
+            lo, hi = int(lo), int(hi or lo)
+            if hi < lo:
+                raise ValueError
+            shards += list(range(lo, hi + 1))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shards takes numbers and ranges like `0-6` or `0,2,5`, got {text!r}.")
+        raise argparse.ArgumentTypeError(f"--shards takes shard numbers and ascending ranges like `0-6` or `0,2,5`, "
+                                         f"got {text!r}.") from None
     return shards
 
 
@@ -205,12 +269,28 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
 
 
 def run_train(args: argparse.Namespace) -> int:
+    o = resolve_train_options(args)
+    out = Path(o["out"])
+    created = not out.exists()
+    try:
+        return _train(o)
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a run that failed before writing anything leaves no empty --out behind
+        raise
+
+
+def _train(o: dict) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
     from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
-    o = resolve_train_options(args)
+    finished = read_manifest(o["data"])["finished"]  # before the target loads: a missing --data fails now
+    missing = sorted(set(o["shards"] or []) - set(finished))
+    if missing:
+        raise ValueError(f"`--shards` {missing} are not finished in `{o['data']}` (finished: {finished}); choose "
+                         f"finished shards, or finish them with the same `hf-chainflow prepare` command.")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     dtype = getattr(torch, o["dtype"])
@@ -305,20 +385,20 @@ def add_eval_offline_parser(sub) -> None:
     a("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
     a("--data", required=True, help="prepared data directory (held-out prompts)")
     a("--out", help="report directory (offline_eval.json, acceptance.png)")
-    a("--num-tokens", type=int, default=3, help="chain length k (serving num_assistant_tokens)")
+    a("--num-tokens", type=positive_int, default=3, help="chain length k (serving num_assistant_tokens)")
     a("--tree", help="also evaluate trees WIDTHxDEPTH, e.g. 8x4 (per window, slower)")
-    a("--tree-budget", type=int, help="keep this many nodes of each tree (highest path probability; default: all)")
-    a("--max-tree-windows", type=int, default=512)
-    a("--num-flow-steps", type=int, help="Euler steps (default: the drafter's serving setting)")
-    a("--batch-size", type=int, default=64)
-    a("--max-windows", type=int, help="evaluate a seeded random subset of this many windows")
+    a("--tree-budget", type=positive_int, help="keep this many nodes of each tree (highest path probability; default: all)")
+    a("--max-tree-windows", type=positive_int, default=512, help="evaluate trees on at most this many windows")
+    a("--num-flow-steps", type=positive_int, help="Euler steps (default: the drafter's serving setting)")
+    a("--batch-size", type=positive_int, default=64, help="windows per batched drafter pass")
+    a("--max-windows", type=positive_int, help="evaluate a seeded random subset of this many windows")
     a("--shards", type=parse_shards, help="evaluate only these finished shards, e.g. a held-out `7-25`")
     a("--reference", action="store_true", help="one drafter.draft call per window instead of the batched path")
-    a("--walk-sequences", type=int, help="also replay the serving walk on this many responses (seeded): the tau a "
+    a("--walk-sequences", type=positive_int, help="also replay the serving walk on this many responses (seeded): the tau a "
                                          "serving loop would measure on them (draft, accept a, jump a + 1 tokens)")
     a("--dtype", choices=("float32", "bfloat16"), default="float32")
-    a("--threads", type=int, help="torch.set_num_threads")
-    a("--seed", type=int, default=0)
+    a("--threads", type=positive_int, help="torch.set_num_threads")
+    a("--seed", type=int, default=0, help="seed of the window subsets and the walk's responses")
     p.set_defaults(func=run_eval_offline)
 
 
@@ -327,6 +407,8 @@ def _tree_shape(text: str) -> tuple[int, int]:
         width, depth = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise SystemExit(f"eval-offline: --tree must look like WIDTHxDEPTH (e.g. 8x4), got {text!r}.") from None
+    if width < 1 or depth < 1:
+        raise SystemExit(f"eval-offline: --tree needs a positive width and depth (e.g. 8x4), got {text!r}.")
     return width, depth
 
 
@@ -336,6 +418,14 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     from hf_chainflow.evaluation import evaluate_offline
     from hf_chainflow.trainer import unwrap_drafter
 
+    tree = _tree_shape(args.tree) if args.tree else None
+    if args.tree_budget is not None and tree is None:
+        raise SystemExit(f"eval-offline: --tree-budget {args.tree_budget} cuts the trees of --tree; give --tree too "
+                         f"(e.g. --tree 8x4).")
+    check_model_source("--drafter", args.drafter)
+    if args.adapter is not None and not Path(args.adapter).is_dir():
+        raise ValueError(f"`--adapter` must be a LoRA adapter directory, got {args.adapter!r}, which does not exist.")
+    check_output_dir("--out", args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -347,7 +437,7 @@ def run_eval_offline(args: argparse.Namespace) -> int:
         model = load_language_adapter(model, args.adapter, Path(args.adapter).name)
     data = _window_dataset(args.data, unwrap_drafter(model).config, shards=args.shards)
     result = evaluate_offline(model, data, num_tokens=args.num_tokens, batch_size=args.batch_size,
-                              max_windows=args.max_windows, tree=_tree_shape(args.tree) if args.tree else None,
+                              max_windows=args.max_windows, tree=tree,
                               tree_budget=args.tree_budget, max_tree_windows=args.max_tree_windows, num_flow_steps=args.num_flow_steps,
                               batched=not args.reference, walk_sequences=args.walk_sequences, output_dir=args.out,
                               seed=args.seed)

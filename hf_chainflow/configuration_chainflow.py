@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from huggingface_hub.dataclasses import strict
@@ -116,6 +117,16 @@ class ChainFlowConfig(PreTrainedConfig):
         _choice("feedback", self.feedback, FEEDBACK)
         _choice("attention", self.attention, ATTENTION)
         _choice("serving_head_dtype", self.serving_head_dtype, ("bfloat16", "float32"))
+        for name in ("use_vae", "tie_word_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+        std = self.initializer_range
+        if not isinstance(std, (int, float)) or isinstance(std, bool) or not (math.isfinite(std) and std > 0):
+            raise ValueError(
+                f"`initializer_range` is the std of the normal initialiser and must be a positive number (default "
+                f"0.02), got {std!r}."
+            )
         if self.num_draft_positions % self.num_experts != 0:
             raise ValueError(
                 f"`num_draft_positions` ({self.num_draft_positions}) must be divisible by `num_experts` "
@@ -145,6 +156,19 @@ class ChainFlowConfig(PreTrainedConfig):
                 f"{self.context_size}. Use `source='repeat'` or `'noise'`, or a larger `context_size`."
             )
         if self.shortlist is not None:
+            if not isinstance(self.shortlist, list):
+                raise ValueError(
+                    f"`shortlist` must be None (the whole vocabulary) or a list of integer token ids, got "
+                    f"{type(self.shortlist).__name__} {self.shortlist!r:.60}. Pass e.g. `sorted(set(ids))` or "
+                    f"`tensor.tolist()`."
+                )
+            odd = [(i, t) for i, t in enumerate(self.shortlist) if not isinstance(t, int) or isinstance(t, bool)]
+            if odd:
+                i, t = odd[0]
+                raise ValueError(
+                    f"`shortlist` must hold integer token ids, got {t!r} ({type(t).__name__}) at index {i}. Pass "
+                    f"plain Python ints, e.g. `tensor.tolist()`."
+                )
             if len(self.shortlist) == 0:
                 raise ValueError("`shortlist` must hold at least one token id, got an empty list. Use None for all.")
             bad = [t for t in self.shortlist if not (0 <= t < self.vocab_size)]

@@ -68,8 +68,24 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------------
 
 def _read_jsonl(path: str | os.PathLike) -> list[dict]:
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                rows.append(parse_jsonl_line(line, path, n))
+    return rows
+
+
+def parse_jsonl_line(line: str, path: str | os.PathLike, n: int) -> dict:
+    """One JSONL row, or a `ValueError` naming the file and line (a JSON Lines file holds one object per line)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno}); a JSONL file holds one "
+                         f"JSON object per line.") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: expected a JSON object per line, got a {type(row).__name__}.")
+    return row
 
 
 def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: str = "prompt",
@@ -367,7 +383,13 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     out_dir = Path(out_dir)
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"`limit` must be a positive int or None, got {limit!r}.")
+    if max_shards is not None and (not isinstance(max_shards, int) or max_shards < 1):
+        raise ValueError(f"`max_shards` must be a positive int or None, got {max_shards!r}.")
     rows = _build_rows(tokenizer, prompts, responses, prompt_column)[:limit]
+    if not rows:
+        raise ValueError("There are no rows to prepare: the given `prompts` / `responses` are empty.")
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(rows)
     ids = [r["id"] for r in rows]

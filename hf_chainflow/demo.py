@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from .cli_args import positive_int
+
 DEMO_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
     "Explain in three sentences why the sky is blue.",
@@ -161,8 +163,8 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--no-lookup", action="store_true", help="switch the prompt-lookup branch off (pure ChainFlow)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 3 built-in prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt (default 96)")
+    p.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: all cores)")
     p.set_defaults(func=run_demo_command)
 
 
@@ -171,10 +173,13 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from .bench import bf16_hardware_note
     from .checkpoints import default_drafter_path
     from .cli import load_model_and_tokenizer
+    from .cli_args import check_model_source
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"`--threads` must be a positive integer, got {args.threads!r}.")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.drafter_path:
+        check_model_source("--drafter-path", args.drafter_path)
     path = args.drafter_path or default_drafter_path()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     note = bf16_hardware_note() if args.dtype == "bfloat16" else None

@@ -65,6 +65,12 @@ def draft_settings(drafter) -> dict:
         "tree_budget": getattr(g, "tree_budget", None),
         "num_flow_steps": getattr(g, "num_flow_steps", None),
     }
+    steps = settings["num_flow_steps"]
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(
+            f"`drafter.generation_config.num_flow_steps` must be None (use the drafter's `config.num_flow_steps`) "
+            f"or a positive integer (Euler steps per drafter pass), got {steps!r}."
+        )
     max_depth = drafter.max_draft_depth
     for name, value in (("num_assistant_tokens", settings["num_tokens"]), ("tree_depth", settings["tree_depth"]),
                         ("tree_width", settings["tree_width"])):

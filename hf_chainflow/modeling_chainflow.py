@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -711,9 +712,13 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
     @torch.no_grad()
     def predict_states(self, hidden_states, context_mask=None, num_flow_steps: int | None = None):
         """Serving transport: target states `(B, T, D)` (last `C` used) -> predicted states `(B, K, D)`."""
+        steps = self.config.num_flow_steps if num_flow_steps is None else num_flow_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"`num_flow_steps` must be None (use `config.num_flow_steps`) or a positive integer "
+                             f"(Euler steps), got {num_flow_steps!r}.")
         context, mask = self._context(hidden_states, context_mask)
         z0 = self.source(context, mask)
-        z1 = self.integrate(z0, context, mask, num_flow_steps or self.config.num_flow_steps)
+        z1 = self.integrate(z0, context, mask, steps)
         return self.decode(z1)
 
     # ------------------------------------------------------------------ token feedback
@@ -966,12 +971,17 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         Weights are loaded in float32 unless `dtype=` (or its deprecated alias `torch_dtype=`) says otherwise
         (shipped checkpoints are stored in float16 to stay small; drafting on a CPU wants float32 layers).
         """
+        hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+        download_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
+        config = kwargs.get("config")
+        source = pretrained_model_name_or_path if config is None else config
+        if isinstance(source, (str, os.PathLike)):  # not for `config=` given as a config object
+            cls._check_model_type(source, "pretrained_model_name_or_path" if config is None else "config",
+                                  download_kwargs)
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = kwargs.pop("torch_dtype", None) or torch.float32
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         # transformers loads a generation config only for `GenerationMixin` models (`adjust_generation_fn`).
-        hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
-        download_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
         if pretrained_model_name_or_path is not None:
             try:
                 model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path,
@@ -981,6 +991,22 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if target is not None:
             model.bind_target(target)
         return model
+
+    @staticmethod
+    def _check_model_type(source, name: str, download_kwargs: dict) -> None:
+        """Refuse a folder / Hub repo whose config is another model type (transformers would only warn, then
+        build a drafter with random weights)."""
+        try:
+            config_dict, _ = ChainFlowConfig.get_config_dict(source, **download_kwargs)
+        except OSError:
+            return  # no readable config there: transformers' own loading raises its error for this path
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type != ChainFlowConfig.model_type:
+            raise ValueError(
+                f"`{name}` ({str(source)!r}) holds a config with model_type={model_type!r}, "
+                f"not {ChainFlowConfig.model_type!r}: it is not a ChainFlow drafter. Give the folder (or Hub id) of "
+                f"a drafter saved with `save_pretrained`; bind the target model with `target=`."
+            )
 
 
 AutoConfig.register("chainflow", ChainFlowConfig)

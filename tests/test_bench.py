@@ -94,7 +94,7 @@ def test_argument_parsers():
 def test_bench_refuses_bad_lookup_flags_before_loading_anything(flags, message):
     from hf_chainflow.cli import main
 
-    with pytest.raises(ValueError, match=message):  # a missing target path would fail later, so nothing loaded
+    with pytest.raises(SystemExit, match=message):  # a missing target path would fail later, so nothing loaded
         main(["bench", "--target", "/nonexistent/target", *flags])
 
 
@@ -365,7 +365,7 @@ def test_bench_command(saved, capsys):
     results = json.loads((out / "results.json").read_text())
     assert len(results["settings"]["drafter_weights_sha256"]["chainflow"]) == 64
     # The journal of the run: resuming it runs nothing more and writes the same numbers.
-    with pytest.raises(ValueError, match="add `--resume`"):
+    with pytest.raises(SystemExit, match="add `--resume`"):
         main(argv + ["--partial-report"])
     assert main(argv + ["--resume", "--partial-report"]) == 0
     assert json.loads((out / "partial" / "results.json").read_text())["partial"] == {"prompts_done": 2,
@@ -374,13 +374,13 @@ def test_bench_command(saved, capsys):
     again = json.loads((out / "results.json").read_text())
     assert {k: (a["tau"], a["mismatches"]) for k, a in again["arms"].items()} == \
         {k: (a["tau"], a["mismatches"]) for k, a in results["arms"].items()}
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(SystemExit, match="max_new_tokens"):
         main([("7" if a == "6" else a) for a in argv] + ["--resume"])
     # Same weights, another serving config (not an arm setting): refused too.
     shutil.copytree(saved / "drafter", saved / "drafter-budget")
     config = json.loads((saved / "drafter-budget" / "config.json").read_text())
     (saved / "drafter-budget" / "config.json").write_text(json.dumps({**config, "candidate_budget": 8}))
-    with pytest.raises(ValueError, match=r"drafter_config_sha256.chainflow"):
+    with pytest.raises(SystemExit, match=r"drafter_config_sha256.chainflow"):
         main([str(saved / "drafter-budget") if a == str(saved / "drafter") else a for a in argv] + ["--resume"])
     assert set(results["arms"]) == {f"{a}@{dt}" for a in ("ar", "pld", "tree", "tree+lookup", "other-chain")
                                     for dt in ("float32", "bfloat16")}
@@ -508,9 +508,9 @@ def test_bench_notes_a_cpu_without_bf16_matrix_instructions(monkeypatch, tmp_pat
 
     monkeypatch.setattr(bench, "bf16_matrix_instructions", lambda: {"amx_tile": support, "avx512_bf16": False})
     missing = tmp_path / "missing.jsonl"  # the run stops at the prompts, before any model loads
-    with pytest.raises(ValueError, match="--prompts"):
+    with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--dtypes", "bfloat16", "--prompts", str(missing), "--threads", "1"])
     assert ("no native bfloat16 matrix instructions" in capsys.readouterr().out) is noted
-    with pytest.raises(ValueError, match="--prompts"):
+    with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--dtypes", "float32", "--prompts", str(missing), "--threads", "1"])
     assert "bfloat16 matrix" not in capsys.readouterr().out

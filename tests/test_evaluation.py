@@ -232,6 +232,20 @@ def test_walk_equals_a_walk_over_per_window_lengths(setup):
         evaluate_walk(drafter, data, num_tokens=9, progress=False)
 
 
+def test_num_flow_steps_is_none_or_positive(setup):
+    """0 is not "the drafter's default" (None is): refused before any drafting, as are negatives and non-integers."""
+    target, windows, drafter = setup
+    for bad in (0, -2, "x", True):
+        with pytest.raises(ValueError, match=rf"`num_flow_steps` must be None .* or a positive integer .* got {bad!r}"):
+            evaluate_offline(drafter, windows, num_flow_steps=bad, progress=False)
+        with pytest.raises(ValueError, match=rf"`num_flow_steps` must be None .* got {bad!r}"):
+            evaluate_walk(drafter, windows, num_flow_steps=bad, progress=False)
+    out = evaluate_offline(drafter, windows, num_flow_steps=2, max_windows=4, progress=False)
+    assert out["settings"]["num_flow_steps"] == 2
+    assert evaluate_offline(drafter, windows, max_windows=4, progress=False)["settings"]["num_flow_steps"] == (
+        drafter.config.num_flow_steps)
+
+
 @pytest.mark.parametrize("evaluate", ["offline", "walk"])
 def test_a_failing_evaluation_gives_the_drafter_back_in_its_training_mode(setup, monkeypatch, evaluate):
     target, windows, drafter = setup

@@ -266,6 +266,15 @@ def test_bad_inputs_raise_clear_errors(llama):
     with pytest.raises(ValueError, match="at most 8 positions"):
         llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.num_assistant_tokens = before["num_assistant_tokens"]
+    for steps in (0, -2, "x"):  # 0 is not "the default": None is
+        drafter.generation_config.num_flow_steps = steps
+        with pytest.raises(ValueError, match=r"`drafter.generation_config.num_flow_steps` must be None \(use the "
+                                             rf"drafter's `config.num_flow_steps`\) or a positive integer .* got "
+                                             rf"{steps!r}"):
+            llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
+        with pytest.raises(ValueError, match=r"`num_flow_steps` must be None"):  # the drafter's own API too
+            drafter.draft(torch.randn(1, 4, 64), PROMPT, num_flow_steps=steps)
+    drafter.generation_config.num_flow_steps = before["num_flow_steps"]
     # nothing else changed: the drafter's settings are as before and generation still works and is lossless
     assert drafter.generation_config.to_dict() == before
     ref = llama.generate(PROMPT, max_new_tokens=6, do_sample=False)

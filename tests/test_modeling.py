@@ -49,6 +49,12 @@ def make(target, **overrides):
     (dict(shortlist=[1, 60000]), r"ids must lie in \[0, vocab_size=49152\)"),
     (dict(shortlist=[7, 5, 5, 6, 7]), r"distinct .* got \[5, 7\] more than once. Pass `sorted\(set\(shortlist\)\)`"),
     (dict(candidate_budget=-1), "`candidate_budget` must be a positive integer"),
+    (dict(initializer_range=-1.0), r"`initializer_range` is the std .* must be a positive number .* got -1.0"),
+    (dict(initializer_range=0), r"`initializer_range` .* must be a positive number .* got 0\."),
+    (dict(use_vae="no"), r"`use_vae` must be True or False, got 'no' \(str\)"),
+    (dict(tie_word_embeddings=1), r"`tie_word_embeddings` must be True or False, got 1 \(int\)"),
+    (dict(shortlist="abc"), r"`shortlist` must be None .* or a list of integer token ids, got str 'abc'"),
+    (dict(shortlist=[3, 4.0]), r"`shortlist` must hold integer token ids, got 4.0 \(float\) at index 1"),
 ])
 def test_config_validation_errors(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -343,6 +349,21 @@ def test_push_to_hub_uploads_the_generation_config(target, tmp_path, monkeypatch
     monkeypatch.setattr(ChainFlowDrafter, "_upload_modified_files", upload)
     make(target).save_pretrained(tmp_path, push_to_hub=True, repo_id="me/drafter")
     assert "generation_config.json" in uploaded and "model.safetensors" in uploaded
+
+
+def test_from_pretrained_refuses_a_folder_of_another_model_type(target, tmp_path):
+    target.save_pretrained(tmp_path / "llama")
+    make(target).save_pretrained(tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"`pretrained_model_name_or_path` \(.*llama'\) holds a config with "
+                                         r"model_type='llama', not 'chainflow': it is not a ChainFlow drafter"):
+        ChainFlowDrafter.from_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        ChainFlowDrafter.from_pretrained(tmp_path, subfolder="llama")
+    with pytest.raises(ValueError, match=r"`config` \(.*llama'\) holds a config with model_type='llama'"):
+        ChainFlowDrafter.from_pretrained(tmp_path / "drafter", config=str(tmp_path / "llama"))
+    # a ChainFlow config given explicitly is the caller's choice
+    config = ChainFlowConfig.from_pretrained(tmp_path / "drafter")
+    assert ChainFlowDrafter.from_pretrained(tmp_path / "drafter", config=config).config.model_type == "chainflow"
 
 
 def test_from_pretrained_dtype(target, tmp_path):

@@ -1,0 +1,63 @@
+"""Argument types and up-front checks shared by the `hf-chainflow` subcommands.
+
+Each check raises `ValueError` naming the option, the value received, the rule and the fix; `hf_chainflow.cli.main`
+prints such errors as `hf-chainflow <command>: error: <message>` (exit status 1) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+# A Hub repo id: `namespace/name` (one slash, no leading `/`, `.` or `~`).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def check_output_dir(flag: str, path: str | Path | None) -> None:
+    """An output directory may exist (runs resume into it) but must not be a file."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"`{flag}` must name a directory, got {str(path)!r}, which is an existing file; choose "
+                         f"another path.")
+
+
+def check_model_source(flag: str, value: str, known: tuple[str, ...] = ()) -> None:
+    """A model argument must be a known name, an existing local directory, or a Hub repo id (`namespace/name`).
+
+    Without this check a mistyped local path is sent to the Hub, which retries for about a minute before failing.
+    """
+    if value in known or Path(value).is_dir():
+        return
+    if Path(value).exists():
+        raise ValueError(f"`{flag}` must be a model directory, got {value!r}, which is a file; give the directory "
+                         f"that holds its config.json.")
+    if _REPO_ID.match(value):
+        return  # a Hub id; transformers reports it if it cannot be fetched
+    names = f"a known name ({', '.join(known)}), " if known else ""
+    raise ValueError(f"`{flag}` must be {names}an existing local directory or a Hub repo id `namespace/name`, got "
+                     f"{value!r}, which is none of these; check the path.")
+
+
+__all__ = ["check_model_source", "check_output_dir", "non_negative_int", "positive_int"]
