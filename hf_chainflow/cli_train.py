@@ -243,31 +243,6 @@ def _window_dataset(data_dir, config, **kwargs):
     return ChainFlowWindowDataset.for_drafter(data_dir, config, **kwargs)
 
 
-def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of `shards`, in order;
-    default: the finished shards), for `ChainFlowDrafter.set_state_statistics`. `run_train` passes its `--shards`,
-    so a drafter trained on some shards takes its statistics from those alone."""
-    from safetensors import safe_open
-
-    from hf_chainflow.data import read_manifest, shard_path
-
-    total, sq, count = None, None, 0
-    for shard in read_manifest(data_dir)["finished"] if shards is None else shards:
-        with safe_open(str(shard_path(data_dir, shard)), framework="pt") as f:
-            h = f.get_tensor("hidden").double()  # (T, D)
-        total = h.sum(0) if total is None else total + h.sum(0)
-        sq = h.pow(2).sum(0) if sq is None else sq + h.pow(2).sum(0)
-        count += h.shape[0]
-        if count >= max_states:
-            break
-    if not count:
-        raise SystemExit(f"train: no finished shard in {data_dir}; run `hf-chainflow prepare` first.")
-    mean = total / count
-    std = (sq / count - mean.pow(2)).clamp(min=1e-6).sqrt()
-    return mean.float(), std.float()
-
-
 def run_train(args: argparse.Namespace) -> int:
     o = resolve_train_options(args)
     out = Path(o["out"])
@@ -283,7 +258,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(o: dict) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
-    from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist
+    from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist, state_statistics
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
     finished = read_manifest(o["data"])["finished"]  # before the target loads: a missing --data fails now

@@ -59,7 +59,8 @@ PROMPT_TAIL = 16
 
 __all__ = [
     "prepare", "load_prompts", "load_responses", "chat_prompt_ids", "generate_responses", "final_hidden_states",
-    "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "ChainFlowWindowDataset", "collate",
+    "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "state_statistics",
+    "ChainFlowWindowDataset", "collate",
 ]
 
 
@@ -491,6 +492,28 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     return manifest
 
 
+def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of `shards`, in order;
+    default: the finished shards), for `ChainFlowDrafter.set_state_statistics`. `hf-chainflow train` passes its
+    `--shards`, so a drafter trained on some shards takes its statistics from those alone."""
+    total, sq, count = None, None, 0
+    for shard in read_manifest(data_dir)["finished"] if shards is None else shards:
+        with safe_open(str(shard_path(data_dir, shard)), framework="pt") as f:
+            h = f.get_tensor("hidden").double()  # (T, D)
+        total = h.sum(0) if total is None else total + h.sum(0)
+        sq = h.pow(2).sum(0) if sq is None else sq + h.pow(2).sum(0)
+        count += h.shape[0]
+        if count >= max_states:
+            break
+    if not count:
+        raise ValueError(f"`{data_dir}` holds no finished shard to take state statistics from; run "
+                         f"`hf-chainflow prepare` first.")
+    mean = total / count
+    std = (sq / count - mean.pow(2)).clamp(min=1e-6).sqrt()
+    return mean.float(), std.float()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Training windows
 # ----------------------------------------------------------------------------------------------------------------
@@ -514,6 +537,16 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
                             ("max_open_shards", max_open_shards)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if max_windows is not None and (not isinstance(max_windows, int) or isinstance(max_windows, bool)
+                                        or max_windows < 1):
+            raise ValueError(f"`max_windows` must be a positive int or None (all windows), got {max_windows!r}.")
+        for name, value, kind in (("shards", shards, int), ("domains", domains, str)):
+            if value is None:
+                continue
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or any(
+                    not isinstance(v, kind) or isinstance(v, bool) for v in value):
+                raise ValueError(f"`{name}` must be None (all) or a non-empty list of {kind.__name__}s, got "
+                                 f"{value!r}; e.g. `{name}=[{'0, 1' if kind is int else repr('math')}]`.")
         self.data_dir = Path(data_dir)
         manifest = read_manifest(data_dir)
         self.C, self.K, self.p = context_len, num_draft, num_parents

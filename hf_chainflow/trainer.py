@@ -18,6 +18,7 @@ Language adaptation (warm start at a lower learning rate, replay of earlier-lang
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import warnings
 from collections import defaultdict
@@ -86,26 +87,50 @@ class ChainFlowTrainingArguments(TrainingArguments):
         super().__post_init__()
         for name in ("loss_flow_weight", "loss_hid_weight", "loss_ce_weight", "loss_cov_weight", "loss_acc_weight",
                      "loss_rec_weight", "loss_kd_weight", "kl_beta", "marginal_ce_weight", "coverage_margin",
-                     "vae_pretrain_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)!r}.")
+                     "kd_temperature", "acceptance_gamma", "vae_lr_ratio"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+            if value < 0:
+                raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+        if not _is_int(self.vae_pretrain_steps) or self.vae_pretrain_steps < 0:
+            raise ValueError(f"`vae_pretrain_steps` must be an integer >= 0, got {self.vae_pretrain_steps!r}.")
+        lr = self.vae_pretrain_learning_rate
+        if lr is not None and (not _is_number(lr) or not math.isfinite(lr) or lr <= 0):
+            raise ValueError(f"`vae_pretrain_learning_rate` must be a positive number, or None to use "
+                             f"`learning_rate`, got {lr!r}.")
+        # Trainer options the ChainFlow loss does not use: refused rather than silently ignored.
+        if self.label_smoothing_factor != 0:
+            raise ValueError(f"`label_smoothing_factor` is not used by the ChainFlow loss (its cross-entropy is over "
+                             f"the shortlist), got {self.label_smoothing_factor!r}; leave it at 0.")
+        if self.neftune_noise_alpha is not None:
+            raise ValueError(f"`neftune_noise_alpha` adds noise to a language model's input embeddings; a drafter "
+                             f"reads the target's hidden states instead, got {self.neftune_noise_alpha!r}; leave it "
+                             f"None.")
         if not self.kd_temperature > 0:
             raise ValueError(f"`kd_temperature` must be > 0, got {self.kd_temperature!r}.")
         if not 0 < self.acceptance_gamma <= 1:
             raise ValueError(f"`acceptance_gamma` must lie in (0, 1], got {self.acceptance_gamma!r}.")
-        if not isinstance(self.coverage_top_b, int) or self.coverage_top_b < 1:
+        if not _is_int(self.coverage_top_b) or self.coverage_top_b < 1:
             raise ValueError(f"`coverage_top_b` must be a positive integer, got {self.coverage_top_b!r}.")
         if not self.vae_lr_ratio > 0:
             raise ValueError(f"`vae_lr_ratio` must be > 0 (freeze the VAE instead of a zero rate), got "
                              f"{self.vae_lr_ratio!r}.")
-        if self.train_flow_steps is not None and (not isinstance(self.train_flow_steps, int)
-                                                  or self.train_flow_steps < 1):
+        if self.train_flow_steps is not None and (not _is_int(self.train_flow_steps) or self.train_flow_steps < 1):
             raise ValueError(f"`train_flow_steps` must be a positive integer or None, got {self.train_flow_steps!r}.")
 
     @property
     def loss_weights(self) -> dict[str, float]:
         """The term weights by the names `chainflow_loss` uses (the SPEC's six and `kd`)."""
         return {name: getattr(self, f"loss_{name}_weight") for name in {**DEFAULT_LOSS_WEIGHTS, **EXTRA_LOSS_WEIGHTS}}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def unwrap_drafter(model) -> ChainFlowDrafter:
@@ -209,20 +234,36 @@ class ChainFlowTrainer(Trainer):
                                       coverage_margin=a.coverage_margin, kl_beta=a.kl_beta,
                                       marginal_weight=a.marginal_ce_weight, kd_temperature=a.kd_temperature)
         mode = "train" if model.training else "eval"
+        size = float(inputs["target_tokens"].shape[0])  # evaluation weights each batch by its windows, as its loss
         for name, value in terms.items():
-            self._terms[mode][name].append(value.detach())
+            self._terms[mode][name].append(torch.stack([value.detach().float(), value.new_tensor(size).float()]))
         return (total, outputs) if return_outputs else total
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds the mean of each loss term since the last log: `loss_<term>` (training), `eval_loss_<term>`."""
-        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train" if "loss" in logs else None
+        """Adds the mean of each loss term since the last log: `loss_<term>` (training, the mean over steps like
+        `loss`), `<prefix>_loss_<term>` after an evaluation logged as `<prefix>_loss` (the mean over windows, like
+        `eval_loss`; `eval_<name>_loss_<term>` for each dataset of a dict `eval_dataset`)."""
+        eval_key = next((k for k in logs if k.startswith("eval") and k.endswith("_loss")), None)
+        mode = "eval" if eval_key is not None else "train" if "loss" in logs else None
         if mode is not None and self._terms[mode]:
-            prefix = "eval_loss_" if mode == "eval" else "loss_"
+            prefix = f"{eval_key}_" if mode == "eval" else "loss_"
             for name, values in self._terms[mode].items():
-                mean = torch.stack(values).float().mean()[None]
-                logs[prefix + name] = round(self.accelerator.gather(mean).mean().item(), 6)
+                value, size = torch.stack(values).unbind(-1)  # (batches,)
+                weight = size if mode == "eval" else torch.ones_like(size)
+                total = self.accelerator.gather(torch.stack([(value * weight).sum(), weight.sum()])[None])  # (P, 2)
+                logs[prefix + name] = round((total[:, 0].sum() / total[:, 1].sum()).item(), 6)
             self._terms[mode].clear()
         super().log(logs, start_time)
+
+    def evaluation_loop(self, *args, **kwargs):
+        """`Trainer.evaluation_loop` with its random draws (flow time, VAE noise) seeded from `args.seed`: the same
+        weights give the same `eval_loss`, and evaluating during training leaves the training's random stream as it
+        was. Loss terms left over from an earlier `predict` are dropped."""
+        self._terms["eval"].clear()
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed)
+            return super().evaluation_loop(*args, **kwargs)
 
     # ------------------------------------------------------------------ optimiser
     def create_optimizer(self, model=None):
@@ -266,7 +307,8 @@ class ChainFlowTrainer(Trainer):
         params = [p for p in drafter.vae.parameters() if p.requires_grad]
         if not params:
             raise ValueError("The drafter's VAE is frozen (no trainable parameter); set `vae_pretrain_steps=0`.")
-        lr = learning_rate or self.args.vae_pretrain_learning_rate or self.args.learning_rate
+        lr = next(v for v in (learning_rate, self.args.vae_pretrain_learning_rate, self.args.learning_rate)
+                  if v is not None)
         a = self.args
         optimizer = torch.optim.AdamW(params, lr=lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                                       weight_decay=a.weight_decay)

@@ -126,6 +126,12 @@ def test_window_subsample_shuffle_and_pickle(prepared):
     assert {m["shard"] for m in only.sequences} == {1}
     with pytest.raises(ValueError, match="not finished"):
         ChainFlowWindowDataset(prepared, shards=[7])
+    for kwargs, needle in ((dict(max_windows=0), r"`max_windows` must be a positive int or None"),
+                           (dict(max_windows=True), "`max_windows`"), (dict(shards=[]), r"non-empty list of ints"),
+                           (dict(shards=[True]), "`shards`"), (dict(shards=0), "`shards`"),
+                           (dict(domains="math"), r"`domains` must be None \(all\) or a non-empty list of strs")):
+        with pytest.raises(ValueError, match=needle):
+            ChainFlowWindowDataset(prepared, **kwargs)
 
 
 def test_windows_for_a_drafter_config_and_their_serving_walks(prepared):

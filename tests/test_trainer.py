@@ -253,3 +253,42 @@ def test_reloaded_drafter_keeps_its_shortlist(target, tmp_path):
     reloaded = ChainFlowDrafter.from_pretrained(str(tmp_path), target=target)
     assert reloaded.shortlist_ids.tolist() == [2, 5, 7, 11, 200]
     assert torch.equal(reloaded.draft_head_weight(), target.lm_head.weight[[2, 5, 7, 11, 200]])
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(loss_rec_weight=float("nan")), r"`loss_rec_weight` must be a finite number, got nan"),
+    (dict(kl_beta=float("inf")), r"`kl_beta` must be a finite number"),
+    (dict(vae_lr_ratio=float("inf")), r"`vae_lr_ratio` must be a finite number"),
+    (dict(loss_acc_weight="0.3"), r"`loss_acc_weight` must be a finite number, got '0.3'"),
+    (dict(vae_pretrain_steps=2.5), r"`vae_pretrain_steps` must be an integer >= 0, got 2.5"),
+    (dict(vae_pretrain_learning_rate=-1e-3), r"`vae_pretrain_learning_rate` must be a positive number"),
+    (dict(coverage_top_b=True), r"`coverage_top_b` must be a positive integer"),
+    (dict(train_flow_steps=True), r"`train_flow_steps` must be a positive integer or None"),
+    (dict(label_smoothing_factor=0.1), r"`label_smoothing_factor` is not used by the ChainFlow loss"),
+    (dict(neftune_noise_alpha=5.0), r"`neftune_noise_alpha` adds noise to a language model's input embeddings"),
+])
+def test_bad_training_arguments_are_refused(tmp_path, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        ChainFlowTrainingArguments(output_dir=str(tmp_path), **kwargs)
+
+
+def test_evaluation_is_seeded_weighted_per_window_and_leaves_training_alone(target, windows, tmp_path):
+    trainer = ChainFlowTrainer(model=new_drafter(target), args=make_args(tmp_path / "a"), train_dataset=windows)
+    keys = ["eval_loss", *(f"eval_loss_{t}" for t in TERMS)]
+    first = trainer.evaluate(eval_dataset=windows[:20])  # batches of 8, 8 and 4
+    trainer.predict(windows[:8])  # its terms must not leak into the next evaluation
+    again = trainer.evaluate(eval_dataset=windows[:20])
+    assert [first[k] for k in keys] == [again[k] for k in keys]  # the same weights give the same eval loss
+    weights = trainer.args.loss_weights  # the terms are averaged per window, like eval_loss
+    assert first["eval_loss"] == pytest.approx(sum(weights[t] * first[f"eval_loss_{t}"] for t in TERMS), abs=2e-5)
+    both = trainer.evaluate(eval_dataset={"a": windows[:8], "b": windows[8:16]})
+    assert {"eval_a_loss", "eval_b_loss", "eval_a_loss_flow", "eval_b_loss_flow"} <= set(both)
+    assert "eval_loss_flow" not in both
+
+    plain = new_drafter(target)
+    ChainFlowTrainer(model=plain, args=make_args(tmp_path / "p"), train_dataset=windows).train()
+    evaluated = new_drafter(target)
+    ChainFlowTrainer(model=evaluated, args=make_args(tmp_path / "e", eval_strategy="steps", eval_steps=2),
+                     train_dataset=windows, eval_dataset=windows[:8]).train()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(evaluated.state_dict()[k], v), k
