@@ -17,9 +17,8 @@ Language adaptation (warm start at a lower learning rate, replay of earlier-lang
 
 from __future__ import annotations
 
-import itertools
-import math
 import logging
+import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -293,7 +292,8 @@ class ChainFlowTrainer(Trainer):
 
     # ------------------------------------------------------------------ VAE pre-training
     def pretrain_vae(self, num_steps: int | None = None, learning_rate: float | None = None) -> list[float]:
-        """Train only the VAE on `L_rec` for `num_steps` batches of the training set (cycled), with its own AdamW.
+        """Train only the VAE on `L_rec` for `num_steps` batches of the training set (repeated), with its own AdamW
+        (weight decay except on norms and biases, gradients clipped to `args.max_grad_norm`, a constant rate).
 
         Defaults: `args.vae_pretrain_steps` steps at `args.vae_pretrain_learning_rate` (else `args.learning_rate`).
         With several processes the VAE gradients are averaged across them.  Returns the per-step losses.
@@ -310,9 +310,15 @@ class ChainFlowTrainer(Trainer):
         lr = next(v for v in (learning_rate, self.args.vae_pretrain_learning_rate, self.args.learning_rate)
                   if v is not None)
         a = self.args
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                                      weight_decay=a.weight_decay)
-        batches = itertools.cycle(self.get_train_dataloader())  # keeps the first epoch's batches: fine for a warm-up
+        decay = set(self.get_decay_parameter_names(drafter.vae))  # as the joint stage: no decay on norms and biases
+        named = [(n, p) for n, p in drafter.vae.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": a.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(a.adam_beta1, a.adam_beta2),
+                                      eps=a.adam_epsilon)
+        # `logging_steps` below 1 is a fraction of the steps, as in `TrainingArguments`
+        every = max(1, math.ceil(a.logging_steps * steps) if a.logging_steps < 1 else int(a.logging_steps))
+        batches = self._endless_batches()
         was_training = drafter.training
         drafter.train()
         losses = []
@@ -326,15 +332,27 @@ class ChainFlowTrainer(Trainer):
                     for p in params:
                         if p.grad is not None:
                             p.grad = self.accelerator.reduce(p.grad, "mean")
+                if a.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
                 optimizer.step()
                 losses.append(loss.item())
-                if a.logging_steps and (step + 1) % max(1, int(a.logging_steps)) == 0:
-                    super().log({"vae_pretrain_loss_rec": float(np.mean(losses[-int(a.logging_steps):])),
+                if (step + 1) % every == 0:
+                    super().log({"vae_pretrain_loss_rec": float(np.mean(losses[-every:])),
                                  "vae_pretrain_step": step + 1})
         finally:
             drafter.train(was_training)
         self.vae_pretrain_losses = losses  # (the Trainer's `state.log_history` starts afresh in `train`)
         return losses
+
+    def _endless_batches(self):
+        """The training batches, epoch after epoch (a fresh pass each time, so no epoch is held in memory)."""
+        while True:
+            empty = True
+            for batch in self.get_train_dataloader():
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError("The training dataset holds no batch: there is nothing to pre-train the VAE on.")
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """`Trainer.train`, preceded on a fresh run by `pretrain_vae()` when `args.vae_pretrain_steps > 0` (unless

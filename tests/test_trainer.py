@@ -180,6 +180,27 @@ def test_vae_pretraining_trains_only_the_vae_then_joint_training_runs(target, wi
     assert len(fresh.vae_pretrain_losses) == 2 and fresh.state.global_step == 1
 
 
+def test_vae_pretraining_logs_interval_means_clips_and_spares_norms_from_decay(target, windows, tmp_path,
+                                                                               monkeypatch):
+    args = make_args(tmp_path, logging_steps=0.5, weight_decay=0.1, max_grad_norm=0.5)  # log every half of the steps
+    trainer = ChainFlowTrainer(model=new_drafter(target), args=args, train_dataset=windows)
+    made, clipped = [], []
+    real_adamw, real_clip = torch.optim.AdamW, torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.optim, "AdamW", lambda groups, **kw: made.append(groups) or real_adamw(groups, **kw))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, norm, **kw: clipped.append(norm) or real_clip(params, norm, **kw))
+    losses = trainer.pretrain_vae(num_steps=8)  # 44 windows in batches of 8: the stage runs into a second epoch
+    logged = [(r["vae_pretrain_step"], r["vae_pretrain_loss_rec"]) for r in trainer.state.log_history
+              if "vae_pretrain_step" in r]
+    assert logged == [(4, pytest.approx(sum(losses[:4]) / 4)), (8, pytest.approx(sum(losses[4:]) / 4))]
+    assert clipped == [0.5] * 8
+    decayed, plain = made[0]
+    names = {id(p): n for n, p in trainer.drafter.vae.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all("bias" in names[id(p)] or "norm" in names[id(p)] for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(names)
+
+
 def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_path, caplog):
     drafter = new_drafter(target)
     before = drafter.config.train_flow_steps
