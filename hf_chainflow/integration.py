@@ -116,6 +116,11 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
         raise ValueError(
             f"`num_return_sequences` must be 1 with a ChainFlow drafter, got {generation_config.num_return_sequences}."
         )
+    if generation_config.use_cache is False or kwargs.get("use_cache") is False:
+        raise ValueError(
+            "`use_cache=False` cannot be combined with a ChainFlow drafter: verification scores the drafts against "
+            "the target's cache and then crops it. Leave `use_cache` unset (True)."
+        )
     cache_impl = generation_config.cache_implementation
     if cache_impl is not None and cache_impl in _UNSUPPORTED_CACHES:
         raise ValueError(

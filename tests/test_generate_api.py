@@ -249,6 +249,8 @@ def test_bad_inputs_raise_clear_errors(llama):
         (dict(num_beams=2, _tree=True), "num_beams"),
         (dict(cache_implementation="paged"), "cache_implementation='paged'"),
         (dict(cache_implementation="paged", _tree=True), "cache_implementation='paged'"),
+        (dict(use_cache=False), r"`use_cache=False` cannot be combined with a ChainFlow drafter"),  # chain: transformers'
+        (dict(use_cache=False, _tree=True), r"`use_cache=False` cannot be combined"),  # loop, tree: ours; the same error
     ]
     for kwargs, needle in cases:
         tree = kwargs.pop("_tree", False)
