@@ -25,17 +25,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def check_output_dir(flag: str, path: str | Path | None) -> None:
     """An output directory may exist (runs resume into it) but must not be a file."""
     if path is not None and Path(path).exists() and not Path(path).is_dir():
@@ -60,4 +49,4 @@ def check_model_source(flag: str, value: str, known: tuple[str, ...] = ()) -> No
                      f"{value!r}, which is none of these; check the path.")
 
 
-__all__ = ["check_model_source", "check_output_dir", "non_negative_int", "positive_int"]
+__all__ = ["check_model_source", "check_output_dir", "positive_int"]
