@@ -4,10 +4,10 @@ Greedy acceptance asks whether a draft token is the target's argmax; sampling (`
 chain token with probability min(1, p/q) and a tree child with the target's own probability of its token
 (`hf_chainflow.verification.accept_sampling_tree`), so tau falls as the temperature rises. This measures it on the
 shipped drafter and the real target, on the bench's stratified evaluation prompts, every arm from the same seed per
-prompt, and prints tau and acceptance per depth per arm (Markdown). Speed is the bench's business, not this
-script's.
+prompt, and prints tau and acceptance per depth per arm (Markdown), next to each arm's greedy tau on the same
+prompts. Speed is the bench's business, not this script's.
 
-    python examples/sampling_tau.py --limit 8 --temperature 0.7 --top-p 0.9 --threads 2
+    python examples/sampling_tau.py --limit 8 --temperature 0.7 --top-p 0.9 --threads 2 [--drafter PATH]
 """
 
 import argparse
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench import load_prompts, stratified_selection
+from hf_chainflow.bench_journal import weights_digest
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.targets import load_target
 
@@ -37,17 +38,20 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_target("smollm2-135m-instruct", dtype=dtype)
-    drafter = ChainFlowDrafter.from_pretrained(default_drafter_path(), target=target)
+    drafter_path = args.drafter or str(default_drafter_path())
+    drafter = ChainFlowDrafter.from_pretrained(drafter_path, target=target)
     g = drafter.generation_config
     shipped_lookup = g.lookup_num_tokens
     rows = stratified_selection(load_prompts(), args.limit)
-    totals = {arm: {"tokens": 0, "rounds": 0, "accepted": [], "depths": []} for arm in ARMS}
+    totals = {arm: {"tokens": 0, "rounds": 0, "accepted": [], "depths": [], "greedy_tokens": 0, "greedy_rounds": 0}
+              for arm in ARMS}
     for n, row in enumerate(tqdm(rows, desc="prompts")):
         enc = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)
@@ -62,18 +66,22 @@ def main() -> None:
             t["rounds"] += stats.rounds
             t["accepted"] += stats.accepted
             t["depths"] += stats.drafted_depth
+            target.generate(**enc, assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens)
+            t["greedy_tokens"] += sum(drafter.last_stats.accepted) + drafter.last_stats.rounds
+            t["greedy_rounds"] += drafter.last_stats.rounds
     print(f"\n{len(rows)} prompts, temperature {args.temperature}, top-p {args.top_p}, {args.dtype}, "
           f"at most {args.max_new_tokens} new tokens\n")
-    print("| arm | tau | acceptance at depth 1 / 2 / 3 / 4 |\n|---|---|---|")
-    result = {"settings": vars(args), "arms": {}}
+    print("| arm | tau sampling | tau greedy | acceptance at depth 1 / 2 / 3 / 4, sampling |\n|---|---|---|---|")
+    result = {"settings": {**vars(args), "drafter": drafter_path}, "drafter_weights_sha256": weights_digest(drafter),
+              "arms": {}}
     for arm, t in totals.items():
         acc = []
         for d in range(4):
             tried = [a for a, depth in zip(t["accepted"], t["depths"]) if depth > d]
             acc.append(sum(a > d for a in tried) / len(tried) if tried else float("nan"))
-        tau = t["tokens"] / t["rounds"]
-        result["arms"][arm] = {"tau": tau, "acceptance_per_depth": acc, "rounds": t["rounds"]}
-        print(f"| {arm} | {tau:.2f} | {' / '.join(f'{a:.2f}' for a in acc)} |")
+        tau, greedy = t["tokens"] / t["rounds"], t["greedy_tokens"] / t["greedy_rounds"]
+        result["arms"][arm] = {"tau": tau, "acceptance_per_depth": acc, "rounds": t["rounds"], "tau_greedy": greedy}
+        print(f"| {arm} | {tau:.2f} | {greedy:.2f} | {' / '.join(f'{a:.2f}' for a in acc)} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -49,10 +49,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.per_domain < 1:
-        raise ValueError(f"`--per-domain` must be a positive integer, got {args.per_domain!r}.")
+        parser.error(f"`--per-domain` must be a positive integer, got {args.per_domain!r}.")
     exclude = {r["id"] for path in args.exclude for r in read_jsonl(path)}
     domains = sorted({r["domain"] for r in read_jsonl(args.domains_from)})
-    chosen = select(read_jsonl(args.prompts), domains, args.per_domain, args.seed, exclude, args.max_chars)
+    try:
+        chosen = select(read_jsonl(args.prompts), domains, args.per_domain, args.seed, exclude, args.max_chars)
+    except ValueError as err:  # too few prompts left in a domain: a usage error, not a crash
+        parser.error(str(err))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         for row in chosen:
