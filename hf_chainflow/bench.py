@@ -54,7 +54,7 @@ import torch
 
 from .bench_journal import JOURNAL_NAME, BenchJournal, config_digest, journal_header, run_from_dict, weights_digest
 from .bench_report import markdown_table, same_length_summary, write_results
-from .cli_args import check_model_source, check_output_dir
+from .cli_args import check_model_source, check_output_dir, positive_int
 from .lookup import lookup_settings
 from .stats import SpeculativeStats
 
@@ -664,18 +664,18 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
                    help="dtype of the drafters' weights (default float32)")
-    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of the pld arm")
-    p.add_argument("--chain", type=int, help="chain length (default: the drafter's num_assistant_tokens)")
+    p.add_argument("--pld-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens of the pld arm")
+    p.add_argument("--chain", type=positive_int, help="chain length (default: the drafter's num_assistant_tokens)")
     p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
-    p.add_argument("--tree-budget", type=int,
+    p.add_argument("--tree-budget", type=positive_int,
                    help="keep this many nodes of each tree, highest path probability first (default: the drafter's "
                         "tree_budget; none = all WIDTHxDEPTH)")
-    p.add_argument("--lookup-tokens", type=int,
+    p.add_argument("--lookup-tokens", type=positive_int,
                    help="add a `tree+lookup` arm: the tree plus a prompt-lookup branch of this many tokens (default: "
                         "the drafter's `lookup_num_tokens`; the arm is added when either is set)")
-    p.add_argument("--lookup-trust-ngram", type=int,
+    p.add_argument("--lookup-trust-ngram", type=positive_int,
                    help="in `tree+lookup`, a match this long is verified alone, without drafting (default: never)")
-    p.add_argument("--lookup-max-tokens", type=int,
+    p.add_argument("--lookup-max-tokens", type=positive_int,
                    help="in `tree+lookup`, let a branch verified alone and accepted whole grow up to this many tokens "
                         "(default: fixed length)")
     p.add_argument("--prompts", help="JSONL with id, domain, prompt (default: the shipped evaluation prompts)")
@@ -691,7 +691,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--partial-report", action="store_true",
                    help="with --resume: run no prompt; summarise the prompts the journal holds so far into "
                         "--output-dir/partial/ (results.json marked `partial`, the table, the plots)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all cores)")
+    p.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_bench_command)
 
@@ -707,20 +707,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from . import ChainFlowDrafter
     from .checkpoints import default_drafter_path
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"`--threads` must be a positive integer, got {args.threads!r}.")
     if args.partial_report and not args.resume:
         raise ValueError("`--partial-report` summarises a journaled run so far: add `--resume` (and repeat the run's "
                          "other options) so that the journal in `--output-dir` is read.")
-    if args.pld_tokens < 1:
-        raise ValueError(f"`--pld-tokens` must be a positive integer, got {args.pld_tokens!r}.")
-    if args.chain is not None and args.chain < 1:
-        raise ValueError(f"`--chain` must be a positive integer, got {args.chain!r}.")
     lookup = None
-    for name in ("lookup_tokens", "lookup_trust_ngram", "lookup_max_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"`--{name.replace('_', '-')}` must be a positive integer, got {value!r}.")
     if args.lookup_tokens is not None:
         lookup = {"lookup_num_tokens": args.lookup_tokens, "lookup_trust_ngram": args.lookup_trust_ngram,
                   "lookup_max_tokens": args.lookup_max_tokens}
@@ -730,8 +720,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
             if getattr(args, name) is not None:
                 raise ValueError(f"`--{name.replace('_', '-')}` needs `--lookup-tokens` (it tunes the `tree+lookup` "
                                  "arm).")
-    if args.tree_budget is not None and args.tree_budget < 1:
-        raise ValueError(f"`--tree-budget` must be a positive integer, got {args.tree_budget!r}.")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtypes = _parse_dtypes(args.dtypes)
     tree = _parse_tree(args.tree)

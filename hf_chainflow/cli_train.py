@@ -261,7 +261,8 @@ def _train(o: dict) -> int:
     from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist, state_statistics
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
-    finished = read_manifest(o["data"])["finished"]  # before the target loads: a missing --data fails now
+    manifest = read_manifest(o["data"])  # before the target loads: a missing --data fails now
+    finished = manifest["finished"]
     missing = sorted(set(o["shards"] or []) - set(finished))
     if missing:
         raise ValueError(f"`--shards` {missing} are not finished in `{o['data']}` (finished: {finished}); choose "
@@ -279,7 +280,6 @@ def _train(o: dict) -> int:
     else:
         shortlist = read_shortlist(o["data"])
         if o["shards"] is not None:  # the tokens seen in the responses this drafter trains on
-            manifest = read_manifest(o["data"])
             shortlist = compute_shortlist(o["data"], {**manifest, "finished": o["shards"]})
         config = ChainFlowConfig.for_target(target.config, shortlist=shortlist, **o["drafter"])
         torch.manual_seed(o["seed"])

@@ -175,8 +175,6 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from .cli import load_model_and_tokenizer
     from .cli_args import check_model_source
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"`--threads` must be a positive integer, got {args.threads!r}.")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     if args.drafter_path:
         check_model_source("--drafter-path", args.drafter_path)

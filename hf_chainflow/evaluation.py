@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import default_data_collator
 
+from .modeling_chainflow import check_num_flow_steps
 from .trainer import unwrap_drafter
 
 
@@ -190,7 +191,7 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     drafter = unwrap_drafter(model)
     drafter._require_bound()
     drafter._check_draft_args("chain", num_tokens, 1, 1)
-    _check_num_flow_steps(num_flow_steps)
+    check_num_flow_steps(num_flow_steps)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if tree is not None:
@@ -329,12 +330,6 @@ def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], dep
     return out
 
 
-def _check_num_flow_steps(value) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"`num_flow_steps` must be None (use the drafter's `config.num_flow_steps`) or a positive "
-                         f"integer (Euler steps per drafter pass), got {value!r}.")
-
-
 def _check_max_sequences(value, name: str) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"`{name}` must be a positive integer (a number of responses) or None, got {value!r}.")
@@ -355,7 +350,7 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     drafter = unwrap_drafter(drafter)
     drafter._require_bound()
     drafter._check_draft_args("chain", num_tokens, 1, 1)
-    _check_num_flow_steps(num_flow_steps)
+    check_num_flow_steps(num_flow_steps)
     if tree is not None:
         drafter._check_draft_args("tree", 1, tree[0], tree[1], tree_budget)
     _check_max_sequences(max_sequences, "max_sequences")

@@ -24,6 +24,7 @@ from .candidate_generator import ChainFlowCandidateGenerator
 from .hybrid import GDN_METHODS, check_forkable_target
 from .hybrid import is_hybrid_target as has_recurrent_layers
 from .lookup import lookup_settings
+from .modeling_chainflow import check_num_flow_steps
 
 _UNSUPPORTED_CACHES = ("static", "offloaded", "offloaded_static", "quantized", "sliding_window", "hybrid",
                        "mamba", "hybrid_chunked", "paged")  # paged: transformers would switch to continuous batching
@@ -65,12 +66,7 @@ def draft_settings(drafter) -> dict:
         "tree_budget": getattr(g, "tree_budget", None),
         "num_flow_steps": getattr(g, "num_flow_steps", None),
     }
-    steps = settings["num_flow_steps"]
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ValueError(
-            f"`drafter.generation_config.num_flow_steps` must be None (use the drafter's `config.num_flow_steps`) "
-            f"or a positive integer (Euler steps per drafter pass), got {steps!r}."
-        )
+    check_num_flow_steps(settings["num_flow_steps"], "drafter.generation_config.num_flow_steps")
     max_depth = drafter.max_draft_depth
     for name, value in (("num_assistant_tokens", settings["num_tokens"]), ("tree_depth", settings["tree_depth"]),
                         ("tree_width", settings["tree_width"])):

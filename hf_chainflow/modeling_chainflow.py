@@ -321,6 +321,13 @@ class ChainFlowPreTrainedModel(PreTrainedModel):
             module.shortlist_ids.copy_(torch.tensor(module.config.shortlist, dtype=torch.long))
 
 
+def check_num_flow_steps(value, name: str = "num_flow_steps") -> None:
+    """Euler steps of a drafting pass: None (the drafter's `config.num_flow_steps`) or a positive integer."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"`{name}` must be None (use the drafter's `config.num_flow_steps`) or a positive integer "
+                         f"(Euler steps per drafter pass), got {value!r}.")
+
+
 class ChainFlowDrafter(ChainFlowPreTrainedModel):
     """ChainFlow drafter (arXiv 2611.08669). Borrows the target's frozen `lm_head` and embeddings via
     [`~ChainFlowDrafter.bind_target`]; they are never owned or saved.
@@ -712,10 +719,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
     @torch.no_grad()
     def predict_states(self, hidden_states, context_mask=None, num_flow_steps: int | None = None):
         """Serving transport: target states `(B, T, D)` (last `C` used) -> predicted states `(B, K, D)`."""
+        check_num_flow_steps(num_flow_steps)
         steps = self.config.num_flow_steps if num_flow_steps is None else num_flow_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"`num_flow_steps` must be None (use `config.num_flow_steps`) or a positive integer "
-                             f"(Euler steps), got {num_flow_steps!r}.")
         context, mask = self._context(hidden_states, context_mask)
         z0 = self.source(context, mask)
         z1 = self.integrate(z0, context, mask, steps)

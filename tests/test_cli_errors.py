@@ -29,7 +29,10 @@ def test_main_prints_a_user_error_as_one_line_without_a_traceback(tmp_path, monk
                                   ["prepare", "--responses", "r.jsonl", "--out", "o", "--threads", "-2"],
                                   ["prepare", "--responses", "r.jsonl", "--out", "o", "--max-shards", "-1"],
                                   ["eval-offline", "--drafter", "d", "--data", "x", "--num-flow-steps", "0"],
-                                  ["eval-offline", "--drafter", "d", "--data", "x", "--walk-sequences", "-1"]])
+                                  ["eval-offline", "--drafter", "d", "--data", "x", "--walk-sequences", "-1"],
+                                  ["bench", "--pld-tokens", "0"], ["bench", "--threads", "0"],
+                                  ["bench", "--lookup-tokens", "-1"], ["bench", "--tree-budget", "0"],
+                                  ["demo", "--threads", "0"], ["demo", "--max-new-tokens", "0"]])
 def test_counts_must_be_positive(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
