@@ -254,6 +254,19 @@ class ChainFlowTrainer(Trainer):
             self._terms[mode].clear()
         super().log(logs, start_time)
 
+    def _track_num_input_tokens(self, inputs):
+        """`include_num_input_tokens_seen` counts the windows' context positions, one per target token whose state
+        the drafter reads: `"all"` counts every position of `context_mask (B, C)`, padding included, `"non_padding"`
+        only its True entries. (`Trainer` would count `main_input_name`'s elements: `context_states` holds `D`
+        floats per position.)"""
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no" or "context_mask" not in inputs:
+            return super()._track_num_input_tokens(inputs)
+        mask = inputs["context_mask"]  # (B, C)
+        seen = mask.sum() if mode == "non_padding" else torch.tensor(mask.numel())
+        seen = torch.as_tensor(seen, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(seen).sum().item()
+
     def evaluation_loop(self, *args, **kwargs):
         """`Trainer.evaluation_loop` with its random draws (flow time, VAE noise) seeded from `args.seed`: the same
         weights give the same `eval_loss`, and evaluating during training leaves the training's random stream as it

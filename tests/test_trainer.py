@@ -313,3 +313,15 @@ def test_evaluation_is_seeded_weighted_per_window_and_leaves_training_alone(targ
                      train_dataset=windows, eval_dataset=windows[:8]).train()
     for k, v in plain.state_dict().items():
         assert torch.equal(evaluated.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("mode", ["all", "non_padding"])
+def test_tokens_seen_counts_context_positions_not_floats(target, windows, tmp_path, mode):
+    epoch = windows[:32]  # 4 steps of 8: every window once
+    trainer = ChainFlowTrainer(model=new_drafter(target), args=make_args(tmp_path, include_num_input_tokens_seen=mode),
+                               train_dataset=epoch)
+    trainer.train()
+    masks = torch.stack([w["context_mask"] for w in epoch])  # (32, C)
+    expected = masks.numel() if mode == "all" else int(masks.sum())
+    assert 0 < int(masks.sum()) < masks.numel()  # some windows are padded, so the two modes differ
+    assert trainer.state.num_input_tokens_seen == expected
