@@ -91,6 +91,26 @@ def test_references_by_title_name_a_section(page):
     assert not problems, f"{page.relative_to(ROOT)}:\n" + "\n".join(problems)
 
 
+CODE = sorted(
+    [*ROOT.glob("examples/*.py"), *ROOT.glob("examples/*.yaml"), *ROOT.glob("examples/*.sh"),
+     *ROOT.glob("hf_chainflow/*.py")]
+)
+
+
+@pytest.mark.parametrize("source", CODE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_and_example_references_name_a_section(source):
+    """Comments, docstrings and messages that cite `docs/x.md, "Title"` name a section of that page (pages outside
+    the repository, such as the shared SPEC.md, are not checked)."""
+    text = source.read_text().replace('\\"', '"')
+    text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)  # join wrapped comment lines
+    problems = []
+    for match in re.finditer(r'(?<![\w/-])((?:docs/)?[\w-]+\.md),? (?:section )?"([^"]+)"', text):
+        page = ROOT / "docs" / Path(match.group(1)).name
+        if page.exists() and not any(t.startswith(match.group(2).strip()) for t in titles(page.read_text())):
+            problems.append(f'{match.group(1)} has no section "{match.group(2)}"')
+    assert not problems, f"{source.relative_to(ROOT)}:\n" + "\n".join(problems)
+
+
 def test_the_checks_catch_a_stale_reference(tmp_path, monkeypatch):
     """The checks above fail on a broken link, a missing anchor and a title that names no section."""
     (tmp_path / "docs").mkdir()
