@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(
-    [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("hf_chainflow/checkpoints/*/README.md")]
+    [ROOT / "README.md", ROOT / "examples" / "README.md", *ROOT.glob("docs/*.md"),
+     *ROOT.glob("hf_chainflow/checkpoints/*/README.md")]
 )
 
 
