@@ -67,6 +67,21 @@ def draft_settings(drafter) -> dict:
         "num_flow_steps": getattr(g, "num_flow_steps", None),
     }
     check_num_flow_steps(settings["num_flow_steps"], "drafter.generation_config.num_flow_steps")
+    # transformers' assistant-model knobs that a ChainFlow drafter does not implement: refused, not ignored.
+    schedule = getattr(g, "num_assistant_tokens_schedule", None)
+    if schedule not in (None, "constant"):
+        raise ValueError(
+            f"`drafter.generation_config.num_assistant_tokens_schedule` is {schedule!r}, but a ChainFlow drafter "
+            f"drafts a fixed `num_assistant_tokens` ({g.num_assistant_tokens}) every round. Set it to 'constant' "
+            f"and choose `num_assistant_tokens` (or `draft_mode='tree'` with `tree_budget`)."
+        )
+    threshold = getattr(g, "assistant_confidence_threshold", None)
+    if threshold is not None:
+        raise ValueError(
+            f"`drafter.generation_config.assistant_confidence_threshold` is {threshold!r}, but a ChainFlow drafter "
+            f"does not stop a draft on its own confidence. Set it to None (a tree with `tree_budget` keeps the "
+            f"drafter's most probable nodes instead)."
+        )
     max_depth = drafter.max_draft_depth
     for name, value in (("num_assistant_tokens", settings["num_tokens"]), ("tree_depth", settings["tree_depth"]),
                         ("tree_width", settings["tree_width"])):

@@ -268,6 +268,16 @@ def test_bad_inputs_raise_clear_errors(llama):
     with pytest.raises(ValueError, match="at most 8 positions"):
         llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.num_assistant_tokens = before["num_assistant_tokens"]
+    # transformers' assistant schedule and confidence stop are not implemented: refused, in both loops
+    for mode in ("chain", "tree"):
+        drafter.generation_config.draft_mode = mode
+        for field, value, needle in (("num_assistant_tokens_schedule", "heuristic", "Set it to 'constant'"),
+                                     ("assistant_confidence_threshold", 0.4, "Set it to None")):
+            setattr(drafter.generation_config, field, value)
+            with pytest.raises(ValueError, match=rf"`drafter.generation_config.{field}` is {value!r}.*{needle}"):
+                llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
+            setattr(drafter.generation_config, field, before[field])
+    drafter.generation_config.draft_mode = "chain"
     for steps in (0, -2, "x"):  # 0 is not "the default": None is
         drafter.generation_config.num_flow_steps = steps
         with pytest.raises(ValueError, match=r"`drafter.generation_config.num_flow_steps` must be None \(use the "
