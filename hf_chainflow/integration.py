@@ -103,6 +103,12 @@ def draft_settings(drafter) -> dict:
     return settings
 
 
+# Assistant settings transformers takes from the assistant's generation config only; given to `generate` they would
+# be ignored without a word.
+_ASSISTANT_CONFIG_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+                            "assistant_lookbehind", "target_lookbehind")
+
+
 def validate_speculative_call(model, drafter, generation_config: GenerationConfig, input_ids, kwargs: dict,
                               own_loop: bool) -> None:
     """Every check of a ChainFlow `generate` call, before anything runs. Raises `ValueError`."""
@@ -123,6 +129,25 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
             f"`prompt_lookup_num_tokens` ({generation_config.prompt_lookup_num_tokens}) cannot be combined with "
             f"`assistant_model`: choose prompt lookup or the ChainFlow drafter."
         )
+    if generation_config.assistant_early_exit is not None or getattr(generation_config, "use_mtp", False):
+        name = "assistant_early_exit" if generation_config.assistant_early_exit is not None else "use_mtp"
+        raise ValueError(
+            f"`{name}={getattr(generation_config, name)!r}` (from the call or the target's generation config) selects "
+            f"transformers' own self-speculative drafting, which cannot be combined with a ChainFlow `assistant_model`. "
+            f"Leave `{name}` unset for ChainFlow drafting, or call `generate` without `assistant_model`."
+        )
+    if kwargs.get("assistant_tokenizer") is not None:
+        raise ValueError(
+            "`assistant_tokenizer` is not used by a ChainFlow drafter: it is bound to the target and drafts in the "
+            "target's own vocabulary. Omit `assistant_tokenizer`."
+        )
+    for name in _ASSISTANT_CONFIG_FIELDS:  # transformers reads these from the assistant's config, never the call's
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"`{name}={kwargs[name]!r}` was passed to `generate`, where an assistant model ignores it: the drafter "
+                f"reads its drafting settings from its own generation config (as transformers' assistants do). Set "
+                f"`drafter.generation_config.{name}` instead."
+            )
     if (generation_config.num_return_sequences or 1) > 1:
         raise ValueError(
             f"`num_return_sequences` must be 1 with a ChainFlow drafter, got {generation_config.num_return_sequences}."

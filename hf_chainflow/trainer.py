@@ -179,6 +179,12 @@ class ChainFlowTrainer(Trainer):
 
     def __init__(self, model=None, args: ChainFlowTrainingArguments | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, *, target: PreTrainedModel | None = None, **kwargs):
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                "`model_init` is not supported by ChainFlowTrainer: the drafter it trains is bound to its target "
+                "(`bind_target`) before training, which a model built by `model_init` (hyperparameter search) is "
+                "not. Pass the drafter as `model` (with `target=`), one trainer per setting."
+            )
         if args is None:
             args = ChainFlowTrainingArguments(output_dir="chainflow-drafter")
         if not isinstance(args, ChainFlowTrainingArguments):

@@ -252,6 +252,17 @@ def test_bad_inputs_raise_clear_errors(llama):
         (dict(use_cache=False), r"`use_cache=False` cannot be combined with a ChainFlow drafter"),  # chain: transformers'
         (dict(use_cache=False, _tree=True), r"`use_cache=False` cannot be combined"),  # loop, tree: ours; the same error
     ]
+    # transformers' other speculative modes, and assistant settings it would ignore on the call: refused in both loops
+    for tree in (False, True):
+        cases += [
+            (dict(assistant_early_exit=1, _tree=tree), r"`assistant_early_exit=1` .* self-speculative"),
+            (dict(use_mtp=True, _tree=tree), r"`use_mtp=True` .* Leave `use_mtp` unset"),
+            (dict(assistant_tokenizer=object(), tokenizer=object(), _tree=tree), r"Omit `assistant_tokenizer`"),
+            (dict(num_assistant_tokens=5, _tree=tree),
+             r"`num_assistant_tokens=5` was passed to `generate`.* Set `drafter.generation_config.num_assistant_tokens`"),
+            (dict(assistant_confidence_threshold=0.3, _tree=tree), r"`assistant_confidence_threshold=0.3` was passed"),
+            (dict(target_lookbehind=3, _tree=tree), r"`target_lookbehind=3` was passed"),
+        ]
     for kwargs, needle in cases:
         tree = kwargs.pop("_tree", False)
         drafter.generation_config.draft_mode = "tree" if tree else "chain"

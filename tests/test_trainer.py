@@ -86,6 +86,8 @@ def test_unbound_drafter_and_wrong_args_are_refused(target, windows, tmp_path):
 
     with pytest.raises(ValueError, match="ChainFlowTrainingArguments"):
         ChainFlowTrainer(model=new_drafter(target), args=TrainingArguments(output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"`model_init` is not supported by ChainFlowTrainer.*Pass the drafter as"):
+        ChainFlowTrainer(model_init=lambda: new_drafter(target), args=make_args(tmp_path), target=target)
 
 
 def test_failed_construction_and_failed_vae_stage_leave_the_drafter_unchanged(target, windows, tmp_path,
