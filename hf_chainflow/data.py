@@ -97,14 +97,22 @@ def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: s
     is used, as in the shared responses file); `id`, `domain`, `language`, `source` are optional
     (defaults: `row-<n>`, `"unknown"`, `"unknown"`, `""`).
     """
+    if isinstance(source, dict):
+        raise ValueError("`prompts` is one dict; pass a list of prompt rows, e.g. `[{'id': 'a', 'prompt': '...'}]`.")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"`limit` must be a positive int or None (all rows), got {limit!r}.")
     rows = _read_jsonl(source) if isinstance(source, (str, os.PathLike)) else source
     out = []
     for n, row in enumerate(rows):
         if limit is not None and n >= limit:
             break
+        if not isinstance(row, dict):
+            raise ValueError(f"Prompt row {n} is a {type(row).__name__} ({row!r:.60}), not a dict; give rows such as "
+                             f"`{{'id': 'a', '{prompt_column}': 'the prompt'}}`.")
         text = row.get(prompt_column)
-        if text is None and row.get("turns"):
-            text = row["turns"][0]
+        turns = row.get("turns")
+        if text is None and isinstance(turns, list) and turns:
+            text = turns[0]
         if not isinstance(text, str):
             raise ValueError(f"Prompt row {n} (id {row.get('id')!r}) has no text in column {prompt_column!r} nor a "
                              f"`turns` list; pass `prompt_column=` naming the column that holds the prompt.")
@@ -119,11 +127,23 @@ def load_responses(source: str | os.PathLike | Iterable[dict]) -> dict[str, dict
     language, source, finish`), from a JSONL file or an iterable of dicts."""
     rows = _read_jsonl(source) if isinstance(source, (str, os.PathLike)) else source
     out = {}
-    for row in rows:
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"Response row {n} is a {type(row).__name__}, not a dict with `id`, `prompt_ids` and "
+                             f"`response_ids`.")
         missing = {"id", "prompt_ids", "response_ids"} - set(row)
         if missing:
             raise ValueError(f"Response row {row.get('id')!r} lacks {sorted(missing)}; every response row needs "
                              f"`id`, `prompt_ids` and `response_ids`.")
+        for key in ("prompt_ids", "response_ids"):
+            ids = row[key]
+            if not isinstance(ids, (list, tuple)) or (key == "prompt_ids" and not ids) or any(
+                    not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+                kind = "a non-empty list" if key == "prompt_ids" else "a list"
+                raise ValueError(f"Response row {row['id']!r}: `{key}` must be {kind} of token ids (non-negative "
+                                 f"ints), got {ids!r:.80}.")
+        if str(row["id"]) in out:
+            raise ValueError(f"Response id {row['id']!r} occurs twice; each response needs its own id.")
         out[str(row["id"])] = row
     return out
 
@@ -381,18 +401,33 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     """
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("shard_size", shard_size),
                         ("prompt_tail", prompt_tail), ("max_batch_tokens", max_batch_tokens)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     out_dir = Path(out_dir)
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"`limit` must be a positive int or None, got {limit!r}.")
-    if max_shards is not None and (not isinstance(max_shards, int) or max_shards < 1):
-        raise ValueError(f"`max_shards` must be a positive int or None, got {max_shards!r}.")
+    for name, value in (("limit", limit), ("max_shards", max_shards)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"`{name}` must be a positive int or None, got {value!r}.")
+    if shuffle_seed is not None and (not isinstance(shuffle_seed, int) or isinstance(shuffle_seed, bool)):
+        raise ValueError(f"`shuffle_seed` must be an int (or None to keep the input order), got {shuffle_seed!r}.")
+    if not isinstance(generation_dtype, torch.dtype) or not generation_dtype.is_floating_point:
+        raise ValueError(f"`generation_dtype` must be a floating torch dtype such as `torch.bfloat16` or "
+                         f"`torch.float32`, got {generation_dtype!r}.")
+    if on_shard_done is not None and not callable(on_shard_done):
+        raise ValueError(f"`on_shard_done` must be a callable taking the shard number, or None; got "
+                         f"{on_shard_done!r}.")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"`out_dir` {str(out_dir)!r} is a file; give a folder for the prepared data.")
     rows = _build_rows(tokenizer, prompts, responses, prompt_column)[:limit]
     if not rows:
         raise ValueError("There are no rows to prepare: the given `prompts` / `responses` are empty.")
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(rows)
+    vocab = model.config.get_text_config().vocab_size
+    for r in rows:  # supplied token ids must be the target's (the hidden-state pass embeds them)
+        bad = [i for i in (*r["prompt_ids"], *r.get("response_ids", ())) if i >= vocab]
+        if bad:
+            raise ValueError(f"Row {r['id']!r} holds token ids {bad[:5]} outside the target's vocabulary of {vocab}; "
+                             f"the prompts or responses belong to another tokenizer.")
     ids = [r["id"] for r in rows]
     eos = _eos_ids(model, tokenizer)
     pad = _pad_id(model, tokenizer, eos)
@@ -497,8 +532,19 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
     """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of `shards`, in order;
     default: the finished shards), for `ChainFlowDrafter.set_state_statistics`. `hf-chainflow train` passes its
     `--shards`, so a drafter trained on some shards takes its statistics from those alone."""
+    if not isinstance(max_states, int) or isinstance(max_states, bool) or max_states < 1:
+        raise ValueError(f"`max_states` must be a positive int, got {max_states!r}.")
+    finished = read_manifest(data_dir)["finished"]
+    if shards is not None:
+        if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards or any(
+                not isinstance(s, int) or isinstance(s, bool) for s in shards) or len(set(shards)) != len(shards):
+            raise ValueError(f"`shards` must be None (all finished shards) or a non-empty list of distinct shard "
+                             f"numbers, got {shards!r}.")
+        missing = sorted(set(shards) - set(finished))
+        if missing:
+            raise ValueError(f"`shards` {missing} are not finished in `{data_dir}` (finished: {finished}).")
     total, sq, count = None, None, 0
-    for shard in read_manifest(data_dir)["finished"] if shards is None else shards:
+    for shard in finished if shards is None else shards:
         with safe_open(str(shard_path(data_dir, shard)), framework="pt") as f:
             h = f.get_tensor("hidden").double()  # (T, D)
         total = h.sum(0) if total is None else total + h.sum(0)
@@ -517,6 +563,30 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
 # ----------------------------------------------------------------------------------------------------------------
 # Training windows
 # ----------------------------------------------------------------------------------------------------------------
+
+def check_windows_fit(config, dataset) -> None:
+    """Raise a `ValueError` unless the windows of `dataset` (a `ChainFlowWindowDataset`, or a `torch` `Subset` /
+    `ReplayMixDataset` of them) are cut for a drafter of `config`: the same context size `C`, draft positions `K`
+    and path order `p`, from a target of its hidden size. Datasets of other kinds are not checked."""
+    for part in _window_datasets(dataset):
+        got = {"context_size": part.C, "num_draft_positions": part.K, "path_order": part.p,
+               "target_hidden_size": part.hidden_size}
+        wrong = {k: v for k, v in got.items() if getattr(config, k, v) != v}  # fields the config lacks: not checked
+        if wrong:
+            want = {k: getattr(config, k) for k in wrong}
+            raise ValueError(
+                f"The windows of `{part.data_dir}` do not fit this drafter: they have {wrong}, the drafter's config "
+                f"{want}. Build them with `ChainFlowWindowDataset.for_drafter(data_dir, drafter.config)`"
+                + (" from data prepared with the drafter's target." if "target_hidden_size" in wrong else ".")
+            )
+
+
+def _window_datasets(dataset) -> list:
+    if isinstance(dataset, ChainFlowWindowDataset):
+        return [dataset]
+    inner = [getattr(dataset, name, None) for name in ("dataset", "new", "old")]  # Subset; ReplayMixDataset
+    return [part for d in inner if d is not None for part in _window_datasets(d)]
+
 
 class ChainFlowWindowDataset(torch.utils.data.Dataset):
     """Training windows (see the module docstring for the exact fields) over the finished shards of `data_dir`.
@@ -596,10 +666,14 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
 
     @classmethod
     def for_drafter(cls, data_dir: str | os.PathLike, config, **kwargs) -> "ChainFlowWindowDataset":
-        """The windows a drafter of `config` (a `ChainFlowConfig`) trains and is evaluated on: its context size,
-        draft positions and path order; `kwargs` as for the constructor (`shards`, `max_windows`, ...)."""
-        return cls(data_dir, context_len=config.context_size, num_draft=config.num_draft_positions,
-                   num_parents=config.path_order, **kwargs)
+        """The windows a drafter of `config` (a `ChainFlowConfig`, or the drafter itself) trains and is evaluated
+        on: its context size, draft positions and path order; `kwargs` as for the constructor (`shards`,
+        `max_windows`, ...). Data prepared with a target of another hidden size is refused."""
+        config = getattr(config, "config", config)  # a drafter: its config
+        dataset = cls(data_dir, context_len=config.context_size, num_draft=config.num_draft_positions,
+                      num_parents=config.path_order, **kwargs)
+        check_windows_fit(config, dataset)
+        return dataset
 
     def __len__(self) -> int:
         return len(self.anchor)

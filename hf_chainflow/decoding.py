@@ -84,9 +84,15 @@ def speculative_generate(
     `return_dict_in_generate=True`.  Statistics are left in `drafter.last_stats`.
     """
     # 0. Inputs, checked up front.
+    if logits_processor is None or stopping_criteria is None or generation_config is None:
+        raise ValueError(
+            "`speculative_generate` is a `custom_generate` loop: it takes the logits processors, stopping criteria "
+            "and generation config that `generate` prepares (max length, EOS, temperature, ...), and called on its "
+            "own it would ignore them. Call `target.generate(**inputs, custom_generate=hf_chainflow."
+            "speculative_generate, drafter=drafter)` or `target.generate(**inputs, assistant_model=drafter)`."
+        )
     if drafter is None:
         raise ValueError("`speculative_generate` needs `drafter=` (a bound ChainFlowDrafter).")
-    generation_config = generation_config if generation_config is not None else model.generation_config
     validate_speculative_call(model, drafter, generation_config, input_ids, {**model_kwargs, "gdn_method": gdn_method},
                               own_loop=True)
     mask = model_kwargs.get("attention_mask")
@@ -115,7 +121,7 @@ def speculative_generate(
         return int(row.argmax())
 
     def stop_now(ids: torch.LongTensor) -> bool:
-        return bool(stopping_criteria(ids, None).any()) if stopping_criteria is not None else ids.shape[1] >= max_length
+        return bool(stopping_criteria(ids, None).any())  # generate's criteria: max length, EOS, stop strings, ...
 
     # 1. Prefill.
     start = time.perf_counter()

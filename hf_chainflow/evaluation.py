@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import default_data_collator
 
+from .data import check_windows_fit
 from .modeling_chainflow import check_num_flow_steps
 from .trainer import unwrap_drafter
 
@@ -190,13 +191,16 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     model = drafter
     drafter = unwrap_drafter(model)
     drafter._require_bound()
+    check_windows_fit(drafter.config, dataset)
     drafter._check_draft_args("chain", num_tokens, 1, 1)
     check_num_flow_steps(num_flow_steps)
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if tree is not None:
-        width, depth = tree
+        width, depth = _check_tree(tree)
         drafter._check_draft_args("tree", 1, width, depth, tree_budget)
+    if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise ValueError(f"`output_dir` {str(output_dir)!r} is a file; give a folder for offline_eval.json.")
     if walk_sequences is not None:  # fail now, before any drafting, on a count or a dataset the walk cannot use
         _check_max_sequences(walk_sequences, "walk_sequences")
         sequence_walks(dataset)
@@ -330,6 +334,14 @@ def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], dep
     return out
 
 
+def _check_tree(tree) -> tuple[int, int]:
+    """`tree` as `(width, depth)`, two positive integers, or a `ValueError`."""
+    if (not isinstance(tree, (tuple, list)) or len(tree) != 2
+            or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in tree)):
+        raise ValueError(f"`tree` must be (width, depth), two positive integers such as (8, 4), got {tree!r}.")
+    return int(tree[0]), int(tree[1])
+
+
 def _check_max_sequences(value, name: str) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"`{name}` must be a positive integer (a number of responses) or None, got {value!r}.")
@@ -349,10 +361,11 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     """
     drafter = unwrap_drafter(drafter)
     drafter._require_bound()
+    check_windows_fit(drafter.config, dataset)
     drafter._check_draft_args("chain", num_tokens, 1, 1)
     check_num_flow_steps(num_flow_steps)
     if tree is not None:
-        drafter._check_draft_args("tree", 1, tree[0], tree[1], tree_budget)
+        drafter._check_draft_args("tree", 1, *_check_tree(tree), tree_budget)
     _check_max_sequences(max_sequences, "max_sequences")
     if label is None:
         names = _domain_names(dataset)

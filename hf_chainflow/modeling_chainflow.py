@@ -652,8 +652,14 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         standardised states and the decoder's output is mapped back, so no layer has to learn those scales.
         """
         D = self.config.target_hidden_size
+        if not isinstance(mean, torch.Tensor) or not isinstance(std, torch.Tensor):
+            raise ValueError(f"`mean` and `std` must be tensors of shape ({D},), got {type(mean).__name__} and "
+                             f"{type(std).__name__}; e.g. `torch.as_tensor(values)`.")
         if mean.shape != (D,) or std.shape != (D,):
             raise ValueError(f"`mean` and `std` must have shape ({D},), got {tuple(mean.shape)} and {tuple(std.shape)}.")
+        if not bool(torch.isfinite(mean).all() and torch.isfinite(std).all()):
+            raise ValueError("`mean` and `std` must be finite in every dimension (NaN or inf would make every "
+                             "standardised state NaN); recompute them with `hf_chainflow.data.state_statistics`.")
         if not bool((std > 0).all()):
             raise ValueError("`std` must be positive in every dimension.")
         self.state_mean.copy_(mean.to(self.state_mean))
@@ -837,11 +843,11 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             raise ValueError(f"`draft_mode` must be one of {DRAFT_MODES}, got {mode!r}.")
         depth = num_tokens if mode == "chain" else tree_depth
         name = "num_assistant_tokens" if mode == "chain" else "tree_depth"
-        if not isinstance(depth, int) or not 1 <= depth <= K:
+        if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= K:
             raise ValueError(
                 f"`{name}` must be an integer in [1, {K}] (the drafter predicts K={K} positions per pass), got {depth!r}."
             )
-        if mode == "tree" and (not isinstance(tree_width, int) or tree_width < 1):
+        if mode == "tree" and (not isinstance(tree_width, int) or isinstance(tree_width, bool) or tree_width < 1):
             raise ValueError(f"`tree_width` must be a positive integer, got {tree_width!r}.")
         if mode == "tree" and tree_budget is not None and (
                 not isinstance(tree_budget, int) or isinstance(tree_budget, bool) or tree_budget < 1):
@@ -875,8 +881,21 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         """
         self._require_bound()
         self._check_draft_args(mode, num_tokens, tree_width, tree_depth, tree_budget)
-        if hidden_states.shape[0] != 1 or input_ids.shape[0] != 1:
-            raise ValueError(f"`draft` supports batch size 1, got {hidden_states.shape[0]}.")
+        D = self.config.target_hidden_size
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[0] != 1 \
+                or hidden_states.shape[1] < 1 or hidden_states.shape[2] != D:
+            shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
+            raise ValueError(f"`hidden_states` must be the target's last states of shape (1, T, {D}) with T >= 1 "
+                             f"(batch size 1), got {shape}.")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1 \
+                or input_ids.shape[1] < 1 or input_ids.is_floating_point():
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+            raise ValueError(f"`input_ids` must be the committed token ids of shape (1, L) with L >= 1 (batch size "
+                             f"1; the last id is the bonus token), got {shape}; e.g. `ids[None]` for a 1-D `ids`.")
+        if do_sample and not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                              and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"`temperature` must be a positive finite number when `do_sample=True`, got "
+                             f"{temperature!r}.")
         states = self.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (1, K, D)
         return self.search(states[0], input_ids[0], mode=mode, num_tokens=num_tokens, tree_width=tree_width,
                            tree_depth=tree_depth, tree_budget=tree_budget, do_sample=do_sample,

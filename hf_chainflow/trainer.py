@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainingArguments, default_data_collator
 
+from .data import check_windows_fit
 from .losses import DEFAULT_LOSS_WEIGHTS, EXTRA_LOSS_WEIGHTS, chainflow_loss, reconstruction_loss
 from .modeling_chainflow import ChainFlowDrafter
 
@@ -193,6 +194,9 @@ class ChainFlowTrainer(Trainer):
         drafter = unwrap_drafter(model)
         if target is None:
             drafter._require_bound()
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        for dataset in (train_dataset, *evals):  # windows cut for another drafter would train it on the wrong thing
+            check_windows_fit(drafter.config, dataset)
         # A construction that raises (here or in `Trainer.__init__`) leaves the drafter as it was given.
         configured_steps = drafter.config.train_flow_steps
         before = (drafter._bound, getattr(drafter, "_draft_head_cache", None), drafter.shortlist_ids,

@@ -127,3 +127,10 @@ def test_state_statistics_come_from_the_training_shards(tmp_path):
     assert torch.allclose(mean, torch.full((3,), 6.5))  # all three shards: mean of 1..12 shifted
     mean, std = state_statistics(tmp_path, shards=[2])
     assert torch.allclose(mean, torch.full((3,), 10.5)) and torch.allclose(std, torch.full((3,), 1.25 ** 0.5))
+    for shards, needle in (([7], r"`shards` \[7\] are not finished"), (["0"], "list of distinct shard numbers"),
+                           ([0, 0], "distinct"), ([True], "distinct shard numbers")):
+        with pytest.raises(ValueError, match=needle):
+            state_statistics(tmp_path, shards=shards)
+    for max_states in (0, -5, 1.5):
+        with pytest.raises(ValueError, match="`max_states` must be a positive int"):
+            state_statistics(tmp_path, max_states=max_states)

@@ -151,6 +151,38 @@ def test_windows_for_a_drafter_config_and_their_serving_walks(prepared):
         sequence_walks(ChainFlowWindowDataset.for_drafter(prepared, config, max_windows=len(ds) // 2))
 
 
+def test_windows_that_do_not_fit_the_drafter_are_refused(prepared, model, tmp_path):
+    from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
+    from hf_chainflow.evaluation import evaluate_offline, evaluate_walk
+
+    config = ChainFlowConfig.for_target(model.config, num_blocks=1, num_heads=2, ffn_multiplier=2, vae_num_layers=1,
+                                        vae_num_heads=2, path_hidden_size=16, markov_rank=8)
+    drafter = ChainFlowDrafter(config).bind_target(model)
+    fits = ChainFlowWindowDataset.for_drafter(prepared, drafter)  # a drafter is taken for its config
+    assert (fits.C, fits.K, fits.p) == (config.context_size, config.num_draft_positions, config.path_order)
+    other_p = ChainFlowWindowDataset(prepared, context_len=config.context_size, num_draft=config.num_draft_positions,
+                                     num_parents=4)  # a path order the drafter was not built for
+    for evaluate in (evaluate_offline, evaluate_walk):
+        with pytest.raises(ValueError, match=r"do not fit this drafter: they have \{'path_order': 4\}.*for_drafter"):
+            evaluate(drafter, other_p, progress=False)
+    with pytest.raises(ValueError, match="do not fit this drafter"):  # inside a Subset too
+        evaluate_offline(drafter, torch.utils.data.Subset(other_p, range(4)), progress=False)
+    from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
+
+    args = ChainFlowTrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
+    for kwargs in (dict(train_dataset=other_p), dict(train_dataset=fits, eval_dataset={"held": other_p})):
+        with pytest.raises(ValueError, match="do not fit this drafter"):
+            ChainFlowTrainer(model=drafter, args=args, **kwargs)
+    wider = ChainFlowConfig.for_target(model.config, target_hidden_size=2 * model.config.hidden_size)
+    with pytest.raises(ValueError, match=r"'target_hidden_size': 64.*prepared with the drafter's target"):
+        ChainFlowWindowDataset.for_drafter(prepared, wider)
+    with pytest.raises(ValueError, match=r"`tree` must be \(width, depth\).*got \(4,\)"):
+        evaluate_offline(drafter, fits, tree=(4,), progress=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="`output_dir` .* is a file"):
+        evaluate_offline(drafter, fits, output_dir=tmp_path / "file", progress=False)
+
+
 def test_shortlist_is_response_vocabulary_plus_eos(prepared):
     expected = {2}
     for s in iter_sequences(prepared):
@@ -257,6 +289,32 @@ def test_supplied_responses_skip_generation(tmp_path, model, tok):
     bad = dict(given, prompt_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="different prompt ids"):
         prepare(model, tok, tmp_path / "bad", prompts=rows, responses={bad["id"]: bad}, progress=False)
+
+
+def test_bad_prepare_arguments_are_refused_before_anything_is_written(tmp_path, model, tok):
+    rows = _prompt_rows()
+    given = {"id": rows[0]["id"], "prompt_ids": [5, 6], "response_ids": [7]}
+    cases = [
+        (dict(prompts=["w5 w6", "w7"]), r"Prompt row 0 is a str .* not a dict"),
+        (dict(prompts=rows[0]), r"`prompts` is one dict; pass a list"),
+        (dict(prompts=rows, generation_dtype="float32"), r"`generation_dtype` must be a floating torch dtype"),
+        (dict(prompts=rows, generation_dtype=torch.int64), r"`generation_dtype` must be a floating torch dtype"),
+        (dict(prompts=rows, on_shard_done="x"), r"`on_shard_done` must be a callable"),
+        (dict(prompts=rows, limit=True), r"`limit` must be a positive int or None, got True"),
+        (dict(prompts=rows, batch_size=True), r"`batch_size` must be a positive int, got True"),
+        (dict(prompts=rows, shuffle_seed=1.5), r"`shuffle_seed` must be an int"),
+        (dict(responses=[given, given]), r"Response id .* occurs twice"),
+        (dict(responses=[dict(given, response_ids=[7, -1])]), r"`response_ids` must be a list of token ids"),
+        (dict(responses=[dict(given, response_ids=[10 ** 6])]), r"token ids \[1000000\] outside the target's vocab"),
+    ]
+    for n, (kwargs, needle) in enumerate(cases):
+        out = tmp_path / f"out{n}"
+        with pytest.raises(ValueError, match=needle):
+            prepare(model, tok, out, max_new_tokens=NEW, progress=False, **kwargs)
+        assert not out.exists(), kwargs  # nothing written
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="`out_dir` .* is a file"):
+        prepare(model, tok, tmp_path / "file", prompts=rows, progress=False)
 
 
 def test_prompts_from_datasets_and_cut_response():

@@ -334,6 +334,17 @@ def test_inputs_the_loops_cannot_honour_are_refused_before_any_forward(family, r
     assert prefilled.get_seq_length() == 5  # the caller's cache is untouched
 
 
+def test_the_own_loop_called_outside_generate_is_refused(llama):
+    """Called as a plain function it would ignore max_new_tokens, EOS and sampling settings: refused, untouched."""
+    drafter = OracleDrafter(llama, error_rate=0.0)
+    drafter.last_stats = marker = object()
+    cache = DynamicCache(config=llama.config)
+    for kwargs in (dict(generation_config=GenerationConfig(max_new_tokens=6)), dict()):
+        with pytest.raises(ValueError, match=r"is a `custom_generate` loop.*custom_generate=hf_chainflow"):
+            hf_chainflow.speculative_generate(llama, PROMPT, drafter=drafter, cache=cache, **kwargs)
+    assert cache.get_seq_length() == 0 and drafter.last_stats is marker
+
+
 @pytest.mark.parametrize("kind", ["mamba", "lfm2"])
 def test_recurrent_layers_hf_chainflow_cannot_fork_are_refused_up_front(kind):
     """Mamba (stateful: every mode goes to the own loop) and LFM2 conv layers (own loop in tree mode) have recurrent

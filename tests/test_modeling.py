@@ -127,6 +127,28 @@ def test_one_drafter_pass_per_round(target, context):
     assert calls == {"velocity": drafter.config.num_flow_steps, "path": 4}  # one batched call per level
 
 
+def test_draft_inputs_are_checked_before_drafting(target, context):
+    ids, hidden = context
+    drafter = make(target).bind_target(target)
+    D = hidden.shape[-1]
+    cases = [
+        (dict(input_ids=ids[0]), r"`input_ids` must be .* shape \(1, L\).* got \(14,\); e.g. `ids\[None\]`"),
+        (dict(input_ids=ids.repeat(2, 1)), r"`input_ids` must be .* got \(2, 14\)"),
+        (dict(input_ids=ids[:, :0]), r"`input_ids` must be .* L >= 1"),
+        (dict(input_ids=ids.float()), r"`input_ids` must be"),
+        (dict(hidden_states=hidden[..., : D // 2]), rf"`hidden_states` must be .* \(1, T, {D}\).* got \(1, 14, {D // 2}\)"),
+        (dict(hidden_states=hidden[0]), r"`hidden_states` must be .* got \(14, 64\)"),
+        (dict(do_sample=True, temperature=-1.0), r"`temperature` must be a positive finite number .* got -1.0"),
+        (dict(do_sample=True, temperature=0), r"`temperature` must be a positive finite number"),
+        (dict(num_tokens=True), r"`num_assistant_tokens` must be an integer in \[1, 8\]"),
+        (dict(mode="tree", tree_width=True), r"`tree_width` must be a positive integer, got True"),
+    ]
+    for override, needle in cases:
+        kwargs = dict(hidden_states=hidden, input_ids=ids) | override
+        with pytest.raises(ValueError, match=needle):
+            drafter.draft(kwargs.pop("hidden_states"), kwargs.pop("input_ids"), **kwargs)
+
+
 def _randomise_feedback(drafter):
     """The feedback output layers start at zero; give them values so that folding them is a real test."""
     gen = torch.Generator().manual_seed(1)
@@ -458,3 +480,9 @@ def test_state_statistics_are_saved_and_validated(target, tmp_path):
         drafter.set_state_statistics(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValueError, match="positive"):
         drafter.set_state_statistics(torch.zeros(64), torch.zeros(64))
+    for bad_mean, bad_std in ((torch.full((64,), float("nan")), torch.ones(64)), (torch.zeros(64), torch.full((64,), float("inf")))):
+        with pytest.raises(ValueError, match="must be finite"):
+            drafter.set_state_statistics(bad_mean, bad_std)
+    with pytest.raises(ValueError, match="must be tensors"):
+        drafter.set_state_statistics([0.0] * 64, [1.0] * 64)
+    assert torch.equal(drafter.state_mean, mean) and torch.equal(drafter.state_std, std)  # refused: unchanged

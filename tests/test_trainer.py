@@ -94,9 +94,15 @@ def test_failed_construction_and_failed_vae_stage_leave_the_drafter_unchanged(ta
                                                                                 monkeypatch):
     drafter = ChainFlowDrafter(tiny_drafter_config(target))
     steps = drafter.config.train_flow_steps
-    with pytest.raises(ValueError, match="not both"):  # `Trainer.__init__` refuses `model` with `model_init`
-        ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=steps + 2), target=target,
-                         model_init=lambda: drafter)
+    from transformers import Trainer
+
+    def refused(self, *args, **kwargs):  # `Trainer.__init__` failing after the drafter was bound and configured
+        raise ValueError("refused by Trainer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "__init__", refused)
+        with pytest.raises(ValueError, match="refused by Trainer"):
+            ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=steps + 2), target=target)
     assert not drafter.is_bound and drafter.config.train_flow_steps == steps
 
     trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path), target=target, train_dataset=windows)
