@@ -30,6 +30,12 @@ def prompt_lookup(committed: torch.LongTensor, num_tokens: int, max_ngram: int =
     Tries `n = max_ngram .. min_ngram`; returns `(tokens (<= num_tokens,), n)` for the first `n` that matches, or
     `(None, 0)`.
     """
+    if committed.dim() != 1:
+        raise ValueError(f"`committed` must be the committed token ids of one sequence, shape (L,), got "
+                         f"{tuple(committed.shape)}; pass `ids[0]` for a batch of one.")
+    if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
+        raise ValueError(f"Need 1 <= min_ngram <= max_ngram and num_tokens >= 1, got min_ngram={min_ngram}, "
+                         f"max_ngram={max_ngram}, num_tokens={num_tokens}.")
     L = committed.shape[0]
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         pattern = committed[L - n:]  # (n,)

@@ -51,6 +51,9 @@ class SpeculativeStats:
         return out
 
     def record_round(self, accepted: int, depth: int) -> None:
+        if not 0 <= int(accepted) <= int(depth):
+            raise ValueError(f"A round accepts between 0 and its drafted depth; got accepted={accepted}, "
+                             f"depth={depth}.")
         self.accepted.append(int(accepted))
         self.drafted_depth.append(int(depth))
 

@@ -18,6 +18,22 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert prompt_lookup(torch.tensor([1, 2, 3, 4]), num_tokens=3) == (None, 0)
     tokens, n = prompt_lookup(torch.tensor([4, 7, 1, 4]), num_tokens=2, max_ngram=1)
     assert n == 1 and tokens.tolist() == [7, 1]
+    with pytest.raises(ValueError, match=r"shape \(L,\), got \(1, 11\); pass `ids\[0\]`"):
+        prompt_lookup(ids[None], num_tokens=3)  # a batch of one never matched before: now refused
+    for kwargs in (dict(num_tokens=0), dict(num_tokens=2, min_ngram=0), dict(num_tokens=2, max_ngram=1, min_ngram=2)):
+        with pytest.raises(ValueError, match="Need 1 <= min_ngram <= max_ngram and num_tokens >= 1"):
+            prompt_lookup(ids, **kwargs)
+
+
+def test_a_round_accepts_between_zero_and_its_depth():
+    from hf_chainflow import SpeculativeStats
+
+    stats = SpeculativeStats(mode="chain", loop="chainflow")
+    stats.record_round(3, 3)
+    for accepted, depth in ((-1, 3), (5, 3)):
+        with pytest.raises(ValueError, match="between 0 and its drafted depth"):
+            stats.record_round(accepted, depth)
+    assert stats.accepted == [3]
 
 
 def test_next_lookup_length_grows_on_whole_copies_and_shrinks_to_what_held():
