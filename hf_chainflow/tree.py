@@ -34,6 +34,19 @@ class DraftTree:
     logprobs: torch.FloatTensor
     draft_probs: torch.FloatTensor | None = None
 
+    def __post_init__(self):
+        fields = {"tokens": self.tokens, "parents": self.parents, "depths": self.depths, "logprobs": self.logprobs}
+        shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in fields.items()}
+        n = shapes["tokens"][0] if isinstance(self.tokens, torch.Tensor) and self.tokens.dim() == 1 else None
+        if n is None or any(s != (n,) for s in shapes.values()):
+            raise ValueError(f"`DraftTree` fields must be 1-D tensors of one length N (one entry per node), got "
+                             f"shapes {shapes}; for a batch of one pass `tokens[0]`.")
+        for name in ("tokens", "parents", "depths"):
+            if getattr(self, name).is_floating_point():
+                raise ValueError(f"`DraftTree.{name}` must hold integers, got {getattr(self, name).dtype}.")
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
+            raise ValueError(f"`DraftTree.draft_probs` must have shape (N={n}, V), got {tuple(self.draft_probs.shape)}.")
+
     @property
     def num_nodes(self) -> int:
         return int(self.tokens.shape[0])

@@ -141,3 +141,16 @@ def test_trusted_branches_grow_in_the_loop_while_accepted_whole(monkeypatch, lon
     stats = drafter.last_stats
     assert stats.lookup_only_rounds == stats.rounds  # every round took the looked-up branch alone
     assert stats.longest_lookup == (16 if longest else 4)
+
+
+def test_draft_tree_fields_are_checked_when_built():
+    with pytest.raises(ValueError, match=r"1-D tensors of one length N .* 'tokens': \(1, 3\).* pass `tokens\[0\]`"):
+        DraftTree.chain(torch.tensor([[3, 4, 5]]))
+    with pytest.raises(ValueError, match="1-D tensors of one length N"):
+        DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1]), depths=torch.tensor([1, 2]),
+                  logprobs=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"`DraftTree.tokens` must hold integers, got torch.float32"):
+        DraftTree.chain(torch.tensor([3.0, 4.0]))
+    with pytest.raises(ValueError, match=r"`DraftTree.draft_probs` must have shape \(N=2, V\), got \(3, 10\)"):
+        DraftTree.chain(torch.tensor([3, 4]), draft_probs=torch.zeros(3, 10))
+    assert DraftTree.chain(torch.tensor([3, 4])).num_nodes == 2
