@@ -144,7 +144,7 @@ def test_trusted_branches_grow_in_the_loop_while_accepted_whole(monkeypatch, lon
 
 
 def test_draft_tree_fields_are_checked_when_built():
-    with pytest.raises(ValueError, match=r"1-D tensors of one length N .* 'tokens': \(1, 3\).* pass `tokens\[0\]`"):
+    with pytest.raises(ValueError, match=r"1-D tensors of one length N .*'tokens': \(1, 3\).* pass `tokens\[0\]`"):
         DraftTree.chain(torch.tensor([[3, 4, 5]]))
     with pytest.raises(ValueError, match="1-D tensors of one length N"):
         DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1]), depths=torch.tensor([1, 2]),
