@@ -89,6 +89,17 @@ def parse_jsonl_line(line: str, path: str | os.PathLike, n: int) -> dict:
     return row
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive(name: str, value, *, optional: bool = False) -> None:
+    """`value` must be a positive int (or None when `optional`); a `ValueError` naming `name` otherwise."""
+    if (value is None and optional) or (_is_int(value) and value >= 1):
+        return
+    raise ValueError(f"`{name}` must be a positive int{' or None' if optional else ''}, got {value!r}.")
+
+
 def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: str = "prompt",
                  limit: int | None = None) -> list[dict]:
     """Prompt rows from a JSONL file, a `datasets.Dataset` or any iterable of dicts.
@@ -99,8 +110,7 @@ def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: s
     """
     if isinstance(source, dict):
         raise ValueError("`prompts` is one dict; pass a list of prompt rows, e.g. `[{'id': 'a', 'prompt': '...'}]`.")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise ValueError(f"`limit` must be a positive int or None (all rows), got {limit!r}.")
+    _check_positive("limit", limit, optional=True)
     rows = _read_jsonl(source) if isinstance(source, (str, os.PathLike)) else source
     out = []
     for n, row in enumerate(rows):
@@ -138,7 +148,7 @@ def load_responses(source: str | os.PathLike | Iterable[dict]) -> dict[str, dict
         for key in ("prompt_ids", "response_ids"):
             ids = row[key]
             if not isinstance(ids, (list, tuple)) or (key == "prompt_ids" and not ids) or any(
-                    not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+                    not _is_int(i) or i < 0 for i in ids):
                 kind = "a non-empty list" if key == "prompt_ids" else "a list"
                 raise ValueError(f"Response row {row['id']!r}: `{key}` must be {kind} of token ids (non-negative "
                                  f"ints), got {ids!r:.80}.")
@@ -401,13 +411,11 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     """
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("shard_size", shard_size),
                         ("prompt_tail", prompt_tail), ("max_batch_tokens", max_batch_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        _check_positive(name, value)
     out_dir = Path(out_dir)
     for name, value in (("limit", limit), ("max_shards", max_shards)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"`{name}` must be a positive int or None, got {value!r}.")
-    if shuffle_seed is not None and (not isinstance(shuffle_seed, int) or isinstance(shuffle_seed, bool)):
+        _check_positive(name, value, optional=True)
+    if shuffle_seed is not None and not _is_int(shuffle_seed):
         raise ValueError(f"`shuffle_seed` must be an int (or None to keep the input order), got {shuffle_seed!r}.")
     if not isinstance(generation_dtype, torch.dtype) or not generation_dtype.is_floating_point:
         raise ValueError(f"`generation_dtype` must be a floating torch dtype such as `torch.bfloat16` or "
@@ -532,12 +540,11 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
     """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of `shards`, in order;
     default: the finished shards), for `ChainFlowDrafter.set_state_statistics`. `hf-chainflow train` passes its
     `--shards`, so a drafter trained on some shards takes its statistics from those alone."""
-    if not isinstance(max_states, int) or isinstance(max_states, bool) or max_states < 1:
-        raise ValueError(f"`max_states` must be a positive int, got {max_states!r}.")
+    _check_positive("max_states", max_states)
     finished = read_manifest(data_dir)["finished"]
     if shards is not None:
         if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards or any(
-                not isinstance(s, int) or isinstance(s, bool) for s in shards) or len(set(shards)) != len(shards):
+                not _is_int(s) for s in shards) or len(set(shards)) != len(shards):
             raise ValueError(f"`shards` must be None (all finished shards) or a non-empty list of distinct shard "
                              f"numbers, got {shards!r}.")
         missing = sorted(set(shards) - set(finished))
@@ -605,11 +612,8 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
                  max_open_shards: int = 8):
         for name, value in (("context_len", context_len), ("num_draft", num_draft), ("num_parents", num_parents),
                             ("max_open_shards", max_open_shards)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-        if max_windows is not None and (not isinstance(max_windows, int) or isinstance(max_windows, bool)
-                                        or max_windows < 1):
-            raise ValueError(f"`max_windows` must be a positive int or None (all windows), got {max_windows!r}.")
+            _check_positive(name, value)
+        _check_positive("max_windows", max_windows, optional=True)
         for name, value, kind in (("shards", shards, int), ("domains", domains, str)):
             if value is None:
                 continue

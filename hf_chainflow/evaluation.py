@@ -335,11 +335,10 @@ def _walk_summary(rounds: list[int], drafted: list[int], domains: list[str], dep
 
 
 def _check_tree(tree) -> tuple[int, int]:
-    """`tree` as `(width, depth)`, two positive integers, or a `ValueError`."""
-    if (not isinstance(tree, (tuple, list)) or len(tree) != 2
-            or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in tree)):
+    """`tree` as a `(width, depth)` pair (their values are checked with the drafting arguments), or a `ValueError`."""
+    if not isinstance(tree, (tuple, list)) or len(tree) != 2:
         raise ValueError(f"`tree` must be (width, depth), two positive integers such as (8, 4), got {tree!r}.")
-    return int(tree[0]), int(tree[1])
+    return tree[0], tree[1]
 
 
 def _check_max_sequences(value, name: str) -> None:

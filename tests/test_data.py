@@ -129,7 +129,8 @@ def test_window_subsample_shuffle_and_pickle(prepared):
     for kwargs, needle in ((dict(max_windows=0), r"`max_windows` must be a positive int or None"),
                            (dict(max_windows=True), "`max_windows`"), (dict(shards=[]), r"non-empty list of ints"),
                            (dict(shards=[True]), "`shards`"), (dict(shards=0), "`shards`"),
-                           (dict(domains="math"), r"`domains` must be None \(all\) or a non-empty list of strs")):
+                           (dict(domains="math"), r"`domains` must be None \(all\) or a non-empty list of strs"),
+                           (dict(context_len=True), r"`context_len` must be a positive int, got True")):
         with pytest.raises(ValueError, match=needle):
             ChainFlowWindowDataset(prepared, **kwargs)
 
@@ -178,6 +179,8 @@ def test_windows_that_do_not_fit_the_drafter_are_refused(prepared, model, tmp_pa
         ChainFlowWindowDataset.for_drafter(prepared, wider)
     with pytest.raises(ValueError, match=r"`tree` must be \(width, depth\).*got \(4,\)"):
         evaluate_offline(drafter, fits, tree=(4,), progress=False)
+    with pytest.raises(ValueError, match=r"`tree_width` must be a positive integer, got True"):
+        evaluate_offline(drafter, fits, tree=(True, 2), progress=False)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="`output_dir` .* is a file"):
         evaluate_offline(drafter, fits, output_dir=tmp_path / "file", progress=False)
