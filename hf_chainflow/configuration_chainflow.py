@@ -56,6 +56,9 @@ class ChainFlowConfig(PreTrainedConfig):
     serving_head_dtype (`str`): dtype of the candidate-head products while drafting, `"bfloat16"` (default) or
         `"float32"`; training always uses the drafter's dtype. It changes what may be proposed, never the output.
     initializer_range (`float`): std of the normal initialiser.
+    pad_token_id / bos_token_id / eos_token_id (`int`, *optional*): the target's special-token ids, copied by
+        `for_target`; transformers' pipelines compare them with the target's to accept the drafter as an assistant
+        that shares its tokenizer.
     """
 
     model_type = "chainflow"
@@ -204,17 +207,20 @@ class ChainFlowConfig(PreTrainedConfig):
                 f"`target_config` must describe a causal LM with integer `hidden_size` and `vocab_size`, got "
                 f"{type(target_config).__name__} with hidden_size={hidden!r}, vocab_size={vocab!r}."
             )
+        # The target's special-token ids, as the target states them: transformers' pipelines compare them (with
+        # `vocab_size`) to decide whether an assistant shares the target's tokenizer.  The drafter pads a short
+        # parent window with `pad_token_id or 0`.
         pad = getattr(text_config, "pad_token_id", None)
-        if pad is None or not (0 <= pad < vocab):
-            pad = 0
-        eos = getattr(text_config, "eos_token_id", None)
+        if pad is not None and not (0 <= pad < vocab):
+            pad = None
         fields = dict(
             target_hidden_size=hidden,
             vocab_size=vocab,
             target_model_type=getattr(text_config, "model_type", None),
             target_name=getattr(target_config, "name_or_path", None) or None,
             pad_token_id=pad,
-            eos_token_id=eos,
+            bos_token_id=getattr(text_config, "bos_token_id", None),
+            eos_token_id=getattr(text_config, "eos_token_id", None),
         )
         fields.update(overrides)
         return cls(**fields)

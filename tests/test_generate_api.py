@@ -4,7 +4,8 @@ other `generate` calls are untouched."""
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+from transformers import (DynamicCache, GenerationConfig, PreTrainedTokenizerFast, StoppingCriteria,
+                          StoppingCriteriaList, pipeline)
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
@@ -88,6 +89,26 @@ def test_max_length_eos_streamer_and_dict(family, mode, request):
                           return_dict_in_generate=True)
     assert s_out.tokens == s_ref.tokens and s_out.ended
     assert torch.equal(res.sequences[0], torch.tensor(s_ref.tokens))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_text_generation_pipeline_with_the_drafter_as_assistant(family, mode, request):
+    # transformers' pipelines take `assistant_model` when built or called; when built, they compare the assistant's
+    # vocab_size and bos/eos/pad ids with the target's and refuse one that differs ("different tokenizer").
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    drafter = drafter_for(target)
+    drafter.generation_config.draft_mode = mode
+    tok = word_tokenizer()
+    text = "w5 w17 w99 w42 w7 w130"
+    plain = pipeline("text-generation", model=target, tokenizer=tok, device="cpu")
+    ref = plain(text, max_new_tokens=12, do_sample=False)
+    assisted = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=drafter, device="cpu")
+    for run in (lambda: assisted(text, max_new_tokens=12, do_sample=False),
+                lambda: plain(text, max_new_tokens=12, do_sample=False, assistant_model=drafter)):
+        drafter.last_stats = None
+        assert run() == ref
+        assert drafter.last_stats is not None and drafter.last_stats.rounds > 0 and drafter.last_stats.mode == mode
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

@@ -1,5 +1,6 @@
 """ChainFlowConfig validation, drafter shapes, Hub-format save/load, target binding, variants, alignment."""
 
+import copy
 import json
 import os
 
@@ -71,6 +72,19 @@ def test_config_defaults_and_for_target(target):
     assert cfg.target_fingerprint()["model_type"] == "llama" and cfg.num_blocks == 3
     with pytest.raises(ValueError, match="integer `hidden_size` and `vocab_size`"):
         ChainFlowConfig.for_target(object())
+
+
+def test_for_target_copies_the_special_token_ids(target):
+    # transformers' pipelines accept an assistant as sharing the target's tokenizer only when vocab_size and the
+    # bos/eos/pad ids are equal; `for_target` copies them as the target states them (None included).
+    tc = copy.deepcopy(target.config)
+    tc.bos_token_id, tc.eos_token_id, tc.pad_token_id = 1, [2, 5], None
+    cfg = ChainFlowConfig.for_target(tc)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, [2, 5], None)
+    tc.pad_token_id = 3
+    assert ChainFlowConfig.for_target(tc).pad_token_id == 3
+    tc.pad_token_id = tc.vocab_size + 10  # a pad outside the lm_head's vocabulary is not a drafter token
+    assert ChainFlowConfig.for_target(tc).pad_token_id is None
 
 
 # ---------------------------------------------------------------------------------------------------- shapes

@@ -21,7 +21,7 @@ def target_and_inputs():
     inputs = [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True) for p in prompts]
     plain = [target.generate(**x, do_sample=False, max_new_tokens=MAX_NEW_TOKENS) for x in inputs]
-    return target, inputs, plain
+    return target, tok, inputs, plain
 
 
 @pytest.mark.slow
@@ -30,7 +30,7 @@ def target_and_inputs():
     ("smollm2-135m-instruct-flashmap", ["tree"]),
 ])
 def test_shipped_drafter_is_lossless_on_the_real_target(target_and_inputs, folder, modes):
-    target, inputs, plain = target_and_inputs
+    target, _, inputs, plain = target_and_inputs
     path = default_drafter_path().parent / folder
     drafter = ChainFlowDrafter.from_pretrained(path, target=target)
     assert drafter.dtype == torch.float32 and drafter.is_bound
@@ -49,3 +49,22 @@ def test_shipped_drafter_is_lossless_on_the_real_target(target_and_inputs, folde
     # drafters' trees reach 1.6-1.9 on the evaluation prompts (docs/results.md).
     tree_tau = sum(taus["tree"]) / len(taus["tree"])
     assert tree_tau > 1.25, f"{folder}: tree tau {tree_tau:.2f} on the real target; taus per mode: {taus}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", ["smollm2-135m-instruct", "smollm2-135m-instruct-flashmap"])
+def test_shipped_drafter_serves_a_text_generation_pipeline(target_and_inputs, folder):
+    # A pipeline built with `assistant_model=` accepts the drafter only if its config states the target's vocab_size
+    # and bos/eos/pad ids ("The assistant model has a different tokenizer than the main model" otherwise).
+    from transformers import pipeline
+
+    target, tok = target_and_inputs[:2]
+    drafter = ChainFlowDrafter.from_pretrained(default_drafter_path().parent / folder, target=target)
+    for name in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(drafter.config, name) == getattr(target.config, name), name
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = pipeline("text-generation", model=target, tokenizer=tok)(chat, max_new_tokens=24, do_sample=False)
+    assisted = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=drafter)
+    drafter.last_stats = None
+    assert assisted(chat, max_new_tokens=24, do_sample=False) == plain
+    assert drafter.last_stats is not None and drafter.last_stats.rounds > 0
