@@ -26,7 +26,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .integration import draft_settings, needs_own_loop, validate_speculative_call
+from .integration import bind_to_generating_target, draft_settings, needs_own_loop, validate_speculative_call
 from .lookup import next_lookup_length, prompt_lookup
 from .stats import SpeculativeStats
 from .tree import DraftTree
@@ -73,10 +73,10 @@ def speculative_generate(
 
     Args:
         model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
-        drafter: a bound `ChainFlowDrafter` (or `OracleDrafter`); drafting settings come from
-            `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`,
-            `tree_budget`, `num_flow_steps`, and the prompt-lookup branch `lookup_num_tokens`, `lookup_ngram`,
-            `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`).
+        drafter: a `ChainFlowDrafter` (or `OracleDrafter`), bound to `model` or unbound (then bound to `model`);
+            drafting settings come from `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`,
+            `tree_width`, `tree_depth`, `tree_budget`, `num_flow_steps`, and the prompt-lookup branch
+            `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`).
         chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
 
@@ -92,7 +92,7 @@ def speculative_generate(
             "speculative_generate, drafter=drafter)` or `target.generate(**inputs, assistant_model=drafter)`."
         )
     if drafter is None:
-        raise ValueError("`speculative_generate` needs `drafter=` (a bound ChainFlowDrafter).")
+        raise ValueError("`speculative_generate` needs `drafter=` (a ChainFlowDrafter).")
     validate_speculative_call(model, drafter, generation_config, input_ids, {**model_kwargs, "gdn_method": gdn_method},
                               own_loop=True)
     mask = model_kwargs.get("attention_mask")
@@ -101,6 +101,7 @@ def speculative_generate(
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("`speculative_generate` needs the cache that `generate` prepares (use_cache=True).")
+    bind_to_generating_target(model, drafter)
     settings = draft_settings(drafter)
     do_sample = bool(generation_config.do_sample)
     temperature = float(generation_config.temperature or 1.0) if do_sample else 1.0

@@ -206,6 +206,16 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
                 )
 
 
+def bind_to_generating_target(model, drafter) -> None:
+    """Bind an unbound drafter to the target calling `generate` (after every check of the call has passed).
+
+    `validate_speculative_call` has checked that the drafter was made for a target like `model`; a drafter bound to
+    another target was refused there.
+    """
+    if not getattr(drafter, "is_bound", True):
+        drafter.bind_target(model)
+
+
 def needs_own_loop(model, drafter, generation_config: GenerationConfig, stopping_criteria) -> bool:
     settings = draft_settings(drafter)
     return (
@@ -249,6 +259,7 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
     config = effective_generation_config(self, generation_config, kwargs)
     own = needs_own_loop(self, assistant_model, config, stopping_criteria)
     validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
+    bind_to_generating_target(self, assistant_model)
     if own:
         stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
         return _original_generate(

@@ -394,11 +394,37 @@ def test_recurrent_layers_hf_chainflow_cannot_fork_are_refused_up_front(kind):
     assert not forwards
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("route", ["chain", "tree", "custom_generate"])
+def test_an_unbound_drafter_is_bound_to_the_generating_target(family, route, request):
+    target = request.getfixturevalue("llama" if family == "llama" else "hybrid")
+    reference = drafter_for(target)
+    unbound = ChainFlowDrafter(reference.config).eval()
+    unbound.load_state_dict(reference.state_dict())
+    unbound.generation_config.draft_mode = "tree" if route == "tree" else "chain"
+    ref = target.generate(PROMPT, max_new_tokens=10, do_sample=False)
+    assert not unbound.is_bound
+    if route == "custom_generate":
+        out = target.generate(PROMPT, max_new_tokens=10, do_sample=False,
+                              custom_generate=hf_chainflow.speculative_generate, drafter=unbound)
+    else:
+        out = target.generate(PROMPT, max_new_tokens=10, do_sample=False, assistant_model=unbound)
+    assert torch.equal(out, ref)
+    assert unbound.is_bound
+    unbound.check_target(target)  # bound to this very target (another object would raise)
+    # a refused call binds nothing: the checks run before the bind
+    fresh = ChainFlowDrafter(reference.config).eval()
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=fresh)
+    assert not fresh.is_bound
+
+
 def test_unbound_and_mismatched_drafters(llama):
     unbound = ChainFlowDrafter(ChainFlowConfig.for_target(llama.config, num_blocks=1, num_heads=4)).eval()
-    with pytest.raises(ValueError, match="not bound"):
-        llama.generate(PROMPT, max_new_tokens=4, assistant_model=unbound)
     other = tiny_target("qwen3", hidden_size=32)
+    with pytest.raises(ValueError, match="mismatched: \\['hidden_size'"):
+        other.generate(PROMPT, max_new_tokens=4, assistant_model=unbound)  # a drafter for another target
+    assert not unbound.is_bound
     with pytest.raises(ValueError, match="mismatched: \\['hidden_size'"):
         unbound.bind_target(other)
     assert not unbound.is_bound  # a refused bind leaves the drafter unbound
