@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -309,6 +310,14 @@ def _train(o: dict) -> int:
                  dataloader_pin_memory=torch.cuda.is_available())
     targs.update(o["training_args"])
     training_args = ChainFlowTrainingArguments(**targs)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch
+    if launched > 1 and training_args.world_size != launched:
+        raise ValueError(
+            f"launched as {launched} processes (WORLD_SIZE={launched}), but the training arguments set up "
+            f"{training_args.world_size} (parallel mode {training_args.parallel_mode.value!r}): each process would "
+            f"train a drafter of its own. On a machine without GPUs transformers runs distributed training only with "
+            f"`use_cpu`: add `--training-arg use_cpu=true`."
+        )
     target.to(training_args.device)  # the drafter borrows its lm_head: it trains where the Trainer puts the drafter
     trainer = ChainFlowTrainer(model=model, args=training_args, train_dataset=train_set)
     resume = o["resume"]
@@ -326,11 +335,13 @@ def _train(o: dict) -> int:
     start = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume)
     elapsed = time.perf_counter() - start
-    trainer.save_model(o["out"])
-    summary = {**throughput_summary(first_step, trainer.state.global_step, o["batch_size"] * o["grad_accum"],
-                                    elapsed),
+    trainer.save_model(o["out"])  # the main process writes (transformers' rule); the others return here
+    if not trainer.is_world_process_zero():
+        return 0
+    windows_per_step = o["batch_size"] * o["grad_accum"] * training_args.world_size  # every process's batches
+    summary = {**throughput_summary(first_step, trainer.state.global_step, windows_per_step, elapsed),
                "train_loss": result.training_loss, "num_train_windows": len(train_set),
-               "replay_windows_available": replay_windows,
+               "replay_windows_available": replay_windows, "num_processes": training_args.world_size,
                "options": {k: v for k, v in o.items()}}
     Path(o["out"], "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"
