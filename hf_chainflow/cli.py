@@ -19,7 +19,7 @@ import sys
 import torch
 
 from hf_chainflow.bench import add_bench_parser
-from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int
+from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int, usage_error
 from hf_chainflow.cli_train import add_eval_offline_parser, add_train_parser
 from hf_chainflow.demo import add_demo_parser
 
@@ -70,16 +70,16 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.prompts and not args.responses:
-        raise SystemExit("prepare: give --prompts, --responses, or both.")
+        raise usage_error("prepare", "give --prompts, --responses, or both.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
     except RuntimeError as err:
-        raise SystemExit(f"prepare: --device must name a torch device such as `cpu` or `cuda`, got "
-                         f"{args.device!r} ({err}).") from None
+        raise usage_error("prepare", f"--device must name a torch device such as `cpu` or `cuda`, got "
+                          f"{args.device!r} ({err}).") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"prepare: --device {args.device!r} needs a CUDA GPU, and torch sees none; use `--device cpu` "
-                         f"or leave --device out.")
+        raise usage_error("prepare", f"--device {args.device!r} needs a CUDA GPU, and torch sees none; use "
+                          f"`--device cpu` or leave --device out.")
     for flag, path in (("--prompts", args.prompts), ("--responses", args.responses)):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "

@@ -14,6 +14,11 @@ from pathlib import Path
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def usage_error(command: str, message: str) -> SystemExit:
+    """A usage mistake found while reading options, printed as `main` prints the `ValueError`s of the checks."""
+    return SystemExit(f"hf-chainflow {command}: error: {message}")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

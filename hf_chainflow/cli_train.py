@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import ConcatDataset
 
-from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int
+from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int, usage_error
 
 # Built-in defaults of `train`; the parser's defaults are None so that a YAML value can fill any option not given.
 TRAIN_DEFAULTS = {
@@ -107,20 +107,21 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
     opts = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TRAIN_DEFAULTS.items()}
     if args.config:
         if not Path(args.config).is_file():
-            raise SystemExit(f"train: --config must be a YAML file, got {args.config!r}, which does not exist.")
+            raise usage_error("train", f"--config must be a YAML file, got {args.config!r}, which does not exist.")
         try:
             loaded = yaml.safe_load(Path(args.config).read_text()) or {}
         except yaml.YAMLError as err:
-            raise SystemExit(f"train: --config {args.config} is not valid YAML:\n{err}") from None
+            raise usage_error("train", f"--config {args.config} is not valid YAML:\n{err}") from None
         if not isinstance(loaded, dict):
-            raise SystemExit(f"train: --config {args.config} must hold a YAML mapping, got {type(loaded).__name__}.")
+            raise usage_error("train", f"--config {args.config} must hold a YAML mapping, got {type(loaded).__name__}.")
         loaded = {k.replace("-", "_"): _numbers(v) for k, v in loaded.items()}
         unknown = sorted(set(loaded) - set(TRAIN_DEFAULTS))
         if unknown:
-            raise SystemExit(f"train: unknown key(s) {unknown} in {args.config}; valid keys: {sorted(TRAIN_DEFAULTS)}.")
+            raise usage_error("train", f"unknown key(s) {unknown} in {args.config}; valid keys: "
+                              f"{sorted(TRAIN_DEFAULTS)}.")
         for key in ("drafter", "training_args"):
             if not isinstance(loaded.get(key, {}), dict):
-                raise SystemExit(f"train: `{key}` in {args.config} must be a mapping.")
+                raise usage_error("train", f"`{key}` in {args.config} must be a mapping.")
         opts.update(loaded)
     for key in TRAIN_DEFAULTS:
         value = getattr(args, key, None)
@@ -132,20 +133,20 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
         opts["shards"] = parse_shards(opts["shards"])  # from the YAML file
     for key in ("data", "out"):
         if not opts[key]:
-            raise SystemExit(f"train: --{key} is required (on the command line or in --config).")
+            raise usage_error("train", f"--{key} is required (on the command line or in --config).")
     if opts["replay_shards"] is not None and not opts["replay"]:
-        raise SystemExit("train: --replay-shards selects shards of the --replay data; give --replay too.")
+        raise usage_error("train", "--replay-shards selects shards of the --replay data; give --replay too.")
     opts["replay"], opts["replay_shards"] = replay_sources(opts["replay"], opts["replay_shards"])
     if opts["lora"] and not opts["init_from"]:
-        raise SystemExit("train: --lora adapts an existing drafter; give it with --init-from.")
+        raise usage_error("train", "--lora adapts an existing drafter; give it with --init-from.")
     _check_train_numbers(opts)
     _check_field_names(opts)
     check_output_dir("--out", opts["out"])
     if opts["init_from"]:
         check_model_source("--init-from", opts["init_from"])
     if opts["resume"] not in (None, "last") and not Path(opts["resume"], "trainer_state.json").is_file():
-        raise SystemExit(f"train: --resume must be `last` or a checkpoint directory holding trainer_state.json, got "
-                         f"{opts['resume']!r}; the checkpoints are the checkpoint-* directories under --out.")
+        raise usage_error("train", f"--resume must be `last` or a checkpoint directory holding trainer_state.json, got "
+                          f"{opts['resume']!r}; the checkpoints are the checkpoint-* directories under --out.")
     return opts
 
 
@@ -171,10 +172,11 @@ def _check_train_numbers(opts: dict) -> None:
             ok = value >= low if integer or low else value > 0
         if not ok:
             rule = "" if low is None else (f" >= {low}" if integer else " > 0")
-            raise SystemExit(f"train: --{key.replace('_', '-')} must be {kind}{rule}, got {value!r}.")
+            raise usage_error("train", f"--{key.replace('_', '-')} must be {kind}{rule}, got {value!r}.")
     steps = opts["max_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
-        raise SystemExit(f"train: --max-steps must be a positive integer (or -1: train for --epochs), got {steps!r}.")
+        raise usage_error("train", f"--max-steps must be a positive integer (or -1: train for --epochs), got "
+                          f"{steps!r}.")
 
 
 def _check_field_names(opts: dict) -> None:
@@ -190,8 +192,8 @@ def _check_field_names(opts: dict) -> None:
     for flag, key, fields, owner in checks:
         unknown = sorted(set(opts[key]) - fields)
         if unknown:
-            raise SystemExit(f"train: {flag} (or `{key}` in --config) names {unknown}, which are not "
-                             f"{owner} fields; check the spelling (see `help({owner})`).")
+            raise usage_error("train", f"{flag} (or `{key}` in --config) names {unknown}, which are not "
+                              f"{owner} fields; check the spelling (see `help({owner})`).")
 
 
 def parse_shards(text: str) -> list[int]:
@@ -232,9 +234,9 @@ def replay_sources(replay, replay_shards) -> tuple[list[str], list[list[int] | N
     else:
         selections = [x if x is None or isinstance(x, list) else parse_shard_selection(x) for x in replay_shards]
     if len(selections) != len(dirs):
-        raise SystemExit(f"train: --replay-shards was given {len(selections)} time(s) for {len(dirs)} --replay "
-                         f"director{'y' if len(dirs) == 1 else 'ies'} {dirs}; give it once per --replay, in the same "
-                         f"order (`all` for every finished shard), or not at all.")
+        raise usage_error("train", f"--replay-shards was given {len(selections)} time(s) for {len(dirs)} --replay "
+                          f"director{'y' if len(dirs) == 1 else 'ies'} {dirs}; give it once per --replay, in the same "
+                          f"order (`all` for every finished shard), or not at all.")
     return dirs, selections
 
 
@@ -266,17 +268,35 @@ def _train(o: dict) -> int:
     finished = manifest["finished"]
     missing = sorted(set(o["shards"] or []) - set(finished))
     if missing:
-        raise ValueError(f"`--shards` {missing} are not finished in `{o['data']}` (finished: {finished}); choose "
-                         f"finished shards, or finish them with the same `hf-chainflow prepare` command.")
+        raise ValueError(f"`--shards` (or `shards:` in --config) selects {missing}, which are not finished in "
+                         f"`{o['data']}` (finished: {finished}); choose finished shards, or finish them with the "
+                         f"same `hf-chainflow prepare` command.")
+    resume = o["resume"]
+    if resume == "last":  # before the target loads
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(o["out"]) if Path(o["out"]).is_dir() else None
+        if resume is None:
+            raise usage_error("train", f"--resume last, but --out {o['out']!r} holds no checkpoint-* directory.")
+    # A resumed run continues the checkpoint's own drafter (its sizes, shortlist and state statistics), whatever
+    # options built it; a LoRA checkpoint holds only the adapter, which the Trainer reloads into --init-from.
+    resume_drafter = bool(resume) and not o["lora"] and Path(resume, "config.json").is_file()
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     dtype = getattr(torch, o["dtype"])
     target, _ = load_model_and_tokenizer(o["target"], dtype)
     target.requires_grad_(False)
-    if o["init_from"]:
+    if resume_drafter:
+        model = ChainFlowDrafter.from_pretrained(resume, target=target, dtype=dtype)
+        differ = {k: (v, getattr(model.config, k, None)) for k, v in o["drafter"].items()
+                  if getattr(model.config, k, None) != v}
+        if differ:
+            raise usage_error("train", f"drafter fields {differ} (given, in the checkpoint) differ from the drafter of "
+                              f"the checkpoint {resume}; a resumed run keeps its drafter: drop them.")
+    elif o["init_from"]:
         if o["drafter"]:
-            raise SystemExit(f"train: drafter fields {sorted(o['drafter'])} cannot change a warm-started drafter "
-                             f"(--init-from keeps its sizes); drop them or train a fresh drafter.")
+            raise usage_error("train", f"drafter fields {sorted(o['drafter'])} cannot change a warm-started drafter "
+                              f"(--init-from keeps its sizes); drop them or train a fresh drafter.")
         model = ChainFlowDrafter.from_pretrained(o["init_from"], target=target, dtype=dtype)
     else:
         shortlist = read_shortlist(o["data"])
@@ -320,13 +340,6 @@ def _train(o: dict) -> int:
         )
     target.to(training_args.device)  # the drafter borrows its lm_head: it trains where the Trainer puts the drafter
     trainer = ChainFlowTrainer(model=model, args=training_args, train_dataset=train_set)
-    resume = o["resume"]
-    if resume == "last":
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(o["out"])
-        if resume is None:
-            raise SystemExit(f"train: --resume last, but {o['out']} holds no checkpoint-* directory.")
     first_step = 0
     if resume:
         from transformers import TrainerState
@@ -392,9 +405,9 @@ def _tree_shape(text: str) -> tuple[int, int]:
     try:
         width, depth = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"eval-offline: --tree must look like WIDTHxDEPTH (e.g. 8x4), got {text!r}.") from None
+        raise usage_error("eval-offline", f"--tree must look like WIDTHxDEPTH (e.g. 8x4), got {text!r}.") from None
     if width < 1 or depth < 1:
-        raise SystemExit(f"eval-offline: --tree needs a positive width and depth (e.g. 8x4), got {text!r}.")
+        raise usage_error("eval-offline", f"--tree needs a positive width and depth (e.g. 8x4), got {text!r}.")
     return width, depth
 
 
@@ -406,8 +419,8 @@ def run_eval_offline(args: argparse.Namespace) -> int:
 
     tree = _tree_shape(args.tree) if args.tree else None
     if args.tree_budget is not None and tree is None:
-        raise SystemExit(f"eval-offline: --tree-budget {args.tree_budget} cuts the trees of --tree; give --tree too "
-                         f"(e.g. --tree 8x4).")
+        raise usage_error("eval-offline", f"--tree-budget {args.tree_budget} cuts the trees of --tree; give --tree too "
+                          f"(e.g. --tree 8x4).")
     check_model_source("--drafter", args.drafter)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise ValueError(f"`--adapter` must be a LoRA adapter directory, got {args.adapter!r}, which does not exist.")

@@ -1,7 +1,37 @@
-"""Test-session settings: one intra-op thread (tiny models; two threads thrash on a shared 2-core machine)."""
+"""Test-session settings: one intra-op thread (tiny models; two threads thrash on a shared 2-core machine); the
+`tiny_prepared` fixture (a tiny target saved with its prepared data) for the command-line training tests."""
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("HF_CHAINFLOW_TEST_THREADS", "1")))
+
+PROMPTS = Path("/work/shared/data/prompts/train.jsonl")
+TINY_DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
+                "path_hidden_size": 16, "markov_rank": 8}
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer (`target/`) and its prepared responses to 16 shared training
+    prompts (`data/`, one shard), in a temporary directory."""
+    if not PROMPTS.is_file():
+        pytest.skip(f"needs the shared prompts at {PROMPTS}")
+    tmp = tmp_path_factory.mktemp("tiny-prepared")
+    from hf_chainflow.cli import main
+    from hf_chainflow.targets import load_tokenizer
+    from hf_chainflow.testing import tiny_target
+
+    tokenizer = load_tokenizer()
+    target = tiny_target("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2)
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target.generation_config.pad_token_id = tokenizer.pad_token_id
+    target.save_pretrained(tmp / "target")
+    tokenizer.save_pretrained(tmp / "target")
+    (tmp / "prompts.jsonl").write_text("\n".join(PROMPTS.read_text().splitlines()[:16]) + "\n")
+    assert main(["prepare", "--target", str(tmp / "target"), "--prompts", str(tmp / "prompts.jsonl"), "--out",
+                 str(tmp / "data"), "--max-new-tokens", "32", "--dtype", "float32", "--threads", "1"]) == 0
+    return tmp

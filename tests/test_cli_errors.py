@@ -183,7 +183,8 @@ def test_train_checks_data_and_shards_before_loading_the_target(tmp_path, monkey
         main(["train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "manifest.json").write_text(json.dumps({"finished": [0, 1]}))
-    with pytest.raises(SystemExit, match=r"`--shards` \[5\] are not finished in .* \(finished: \[0, 1\]\)"):
+    with pytest.raises(SystemExit, match=r"`--shards` \(or `shards:` in --config\) selects \[5\], which are not "
+                                         r"finished in .* \(finished: \[0, 1\]\)"):
         main(["train", "--data", str(tmp_path / "data"), "--shards", "1,5", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 

@@ -1,10 +1,12 @@
-"""`hf-chainflow train` option resolution: built-in defaults < YAML --config < command line."""
+"""`hf-chainflow train` option resolution (built-in defaults < YAML --config < command line), and resuming a run."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from hf_chainflow import ChainFlowConfig
 from hf_chainflow.cli import build_parser
 from hf_chainflow.cli_train import TRAIN_DEFAULTS, resolve_train_options, throughput_summary
 
@@ -134,3 +136,28 @@ def test_state_statistics_come_from_the_training_shards(tmp_path):
     for max_states in (0, -5, 1.5):
         with pytest.raises(ValueError, match="`max_states` must be a positive int"):
             state_statistics(tmp_path, max_states=max_states)
+
+
+@pytest.mark.slow
+def test_resume_continues_the_checkpoints_drafter(tiny_prepared, tmp_path):
+    from conftest import TINY_DRAFTER
+    from hf_chainflow.cli import main
+
+    base = ["train", "--target", str(tiny_prepared / "target"), "--data", str(tiny_prepared / "data"), "--out",
+            str(tmp_path / "run"), "--batch-size", "4", "--save-steps", "2", "--threads", "1"]
+    sizes = [f"--drafter-arg={k}={v}" for k, v in TINY_DRAFTER.items()]
+    assert main([*base, *sizes, "--max-steps", "4"]) == 0
+    # Resumed without the options that sized the drafter: the checkpoint's drafter continues (it failed with a
+    # size-mismatch traceback while the default sizes were built anew).
+    assert main([*base, "--resume", "last", "--max-steps", "6"]) == 0
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from_step"]) == (6, 4)
+    assert ChainFlowConfig.from_pretrained(tmp_path / "run").num_blocks == TINY_DRAFTER["num_blocks"]
+    with pytest.raises(SystemExit, match=r"drafter fields \{'num_blocks': \(3, 1\)\} .* differ from the drafter of "
+                                         r"the checkpoint"):
+        main([*base, "--resume", "last", "--max-steps", "8", "--drafter-arg", "num_blocks=3"])
+    with pytest.raises(SystemExit, match=r"--resume last, but --out '.*empty' holds no checkpoint"):
+        main([*base[:-7], str(tmp_path / "empty"), "--resume", "last"])
+    with pytest.raises(SystemExit, match=r"`--shards` \(or `shards:` in --config\) selects \[3\], which are not "
+                                         r"finished"):
+        main([*base, "--shards", "3", "--max-steps", "1"])

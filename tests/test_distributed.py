@@ -10,13 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_chainflow.cli import main
-from hf_chainflow.targets import load_tokenizer
-from hf_chainflow.testing import tiny_target
-
-PROMPTS = Path("/work/shared/data/prompts/train.jsonl")
-DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
-           "path_hidden_size": 16, "markov_rank": 8}
+from conftest import TINY_DRAFTER as DRAFTER
 
 
 def launch(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -25,28 +19,11 @@ def launch(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    if not PROMPTS.is_file():
-        pytest.skip(f"needs the shared prompts at {PROMPTS}")
-    tmp = tmp_path_factory.mktemp("ddp")
-    tokenizer = load_tokenizer()
-    target = tiny_target("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    target.generation_config.pad_token_id = tokenizer.pad_token_id
-    target.save_pretrained(tmp / "target")
-    tokenizer.save_pretrained(tmp / "target")
-    (tmp / "prompts.jsonl").write_text("\n".join(PROMPTS.read_text().splitlines()[:16]) + "\n")
-    assert main(["prepare", "--target", str(tmp / "target"), "--prompts", str(tmp / "prompts.jsonl"), "--out",
-                 str(tmp / "data"), "--max-new-tokens", "32", "--dtype", "float32", "--threads", "1"]) == 0
-    return tmp
-
-
 @pytest.mark.slow
-def test_two_processes_stay_in_step(prepared):
+def test_two_processes_stay_in_step(tiny_prepared):
     # The VAE pre-training averages its gradients across processes by hand (the Trainer's DDP wrapper comes later):
     # with the same initial weights and different batches per process, the VAEs must still be equal afterwards.
-    script = prepared / "check.py"
+    script = tiny_prepared / "check.py"
     script.write_text(textwrap.dedent(f"""
         import hashlib, json, torch, torch.distributed as dist
         from transformers import AutoModelForCausalLM
@@ -78,7 +55,7 @@ def test_two_processes_stay_in_step(prepared):
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(dict(world=args.world_size, ranks=found)))
     """))
-    run = launch(prepared, str(script))
+    run = launch(tiny_prepared, str(script))
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["world"] == 2
@@ -88,19 +65,19 @@ def test_two_processes_stay_in_step(prepared):
 
 
 @pytest.mark.slow
-def test_cli_train_under_torchrun(prepared):
+def test_cli_train_under_torchrun(tiny_prepared):
     train = ["-m", "hf_chainflow.cli", "train", "--target", "target", "--data", "data", "--max-steps", "6",
              "--batch-size", "4", "--vae-pretrain-steps", "2", "--save-steps", "1000", "--threads", "1",
              *[f"--drafter-arg={k}={v}" for k, v in DRAFTER.items()]]
     # Without `use_cpu` transformers sets up no distributed training on a machine without GPUs: refused, not run twice.
-    run = launch(prepared, *train, "--out", "refused")
+    run = launch(tiny_prepared, *train, "--out", "refused")
     assert run.returncode != 0
     assert "launched as 2 processes" in run.stderr and "--training-arg use_cpu=true" in run.stderr
-    assert not (prepared / "refused").exists()
-    run = launch(prepared, *train, "--out", "drafter", "--training-arg", "use_cpu=true")
+    assert not (tiny_prepared / "refused").exists()
+    run = launch(tiny_prepared, *train, "--out", "drafter", "--training-arg", "use_cpu=true")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("saved drafter to drafter") == 1  # the main process reports, once
-    summary = json.loads((prepared / "drafter" / "train_summary.json").read_text())
+    summary = json.loads((tiny_prepared / "drafter" / "train_summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["steps"] == 6
     assert summary["windows_seen"] == 6 * 4 * 2  # steps x per-process batch x processes
-    assert (prepared / "drafter" / "model.safetensors").is_file()
+    assert (tiny_prepared / "drafter" / "model.safetensors").is_file()
