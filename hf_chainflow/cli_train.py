@@ -355,6 +355,7 @@ def _train(o: dict) -> int:
     summary = {**throughput_summary(first_step, trainer.state.global_step, windows_per_step, elapsed),
                "train_loss": result.training_loss, "num_train_windows": len(train_set),
                "replay_windows_available": replay_windows, "num_processes": training_args.world_size,
+               "vae_pretrain": _vae_pretrain_summary(trainer.vae_pretrain_losses),
                "options": {k: v for k, v in o.items()}}
     Path(o["out"], "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"
@@ -362,6 +363,15 @@ def _train(o: dict) -> int:
           f"{summary['windows_this_run']} windows in {elapsed:.1f} s ({summary['windows_per_second']} windows/s), "
           f"train loss {result.training_loss:.4f}")
     return 0
+
+
+def _vae_pretrain_summary(losses: list[float] | None) -> dict | None:
+    """The VAE pre-training stage in `train_summary.json`: its steps and the mean `L_rec` of its first and last tenth."""
+    if not losses:
+        return None
+    tenth = max(1, len(losses) // 10)
+    return {"steps": len(losses), "loss_rec_first": float(sum(losses[:tenth]) / tenth),
+            "loss_rec_last": float(sum(losses[-tenth:]) / tenth)}
 
 
 def throughput_summary(first_step: int, last_step: int, windows_per_step: int, seconds: float) -> dict:
@@ -414,7 +424,7 @@ def _tree_shape(text: str) -> tuple[int, int]:
 def run_eval_offline(args: argparse.Namespace) -> int:
     from hf_chainflow import ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
-    from hf_chainflow.evaluation import evaluate_offline
+    from hf_chainflow.evaluation import evaluate_offline, strict_json
     from hf_chainflow.trainer import unwrap_drafter
 
     tree = _tree_shape(args.tree) if args.tree else None
@@ -442,7 +452,7 @@ def run_eval_offline(args: argparse.Namespace) -> int:
                               seed=args.seed)
     result["drafter"], result["data"] = str(args.drafter), str(args.data)
     if args.out:
-        Path(args.out, "offline_eval.json").write_text(json.dumps(result, indent=1))
+        Path(args.out, "offline_eval.json").write_text(strict_json(result, indent=1))
     acc = " ".join(f"{a:.3f}" for a in result["acceptance"])
     print(f"tau {result['tau']:.3f} over {result['num_windows']} windows (chain k={args.num_tokens}); acc@i {acc}")
     for name, stats in result["per_domain"].items():

@@ -459,6 +459,21 @@ def paired_walk_difference(a: dict, b: dict, *, num_resamples: int = 10000, seed
             "num_resamples": num_resamples}
 
 
+def strict_json(obj, **kwargs) -> str:
+    """`json.dumps` for reports: a non-finite float (a position no window reached has no acceptance) is written as
+    `null`, so the file is strict JSON (JavaScript, `json.loads(..., parse_constant=...)` refuse `NaN`)."""
+    def clean(x):
+        if isinstance(x, float) and not np.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), allow_nan=False, **kwargs)
+
+
 def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Path]:
     """Write `offline_eval.json` and `acceptance.png` (conditional acceptance per position, per domain)."""
     import matplotlib
@@ -469,7 +484,7 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / "offline_eval.json", out / "acceptance.png"
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(strict_json(result, indent=1))
     k = len(result["acceptance"])
     fig, ax = plt.subplots(figsize=(6, 4))
     positions = np.arange(1, k + 1)

@@ -345,8 +345,11 @@ class ChainFlowTrainer(Trainer):
         was_training = drafter.training
         drafter.train()
         losses = []
+        # The Trainer's console callback prints only once `train()` has opened its bar: this stage prints its own logs
+        # on its bar (with `disable_tqdm=True`, transformers' PrinterCallback prints them).
+        bar = tqdm(range(steps), desc="VAE pre-training", disable=a.disable_tqdm or not self.is_world_process_zero())
         try:
-            for step in tqdm(range(steps), desc="VAE pre-training", disable=a.disable_tqdm):
+            for step in bar:
                 batch = self._prepare_inputs(next(batches))
                 loss = vae_reconstruction_loss(drafter, batch, a.kl_beta)
                 optimizer.zero_grad(set_to_none=True)
@@ -360,9 +363,13 @@ class ChainFlowTrainer(Trainer):
                 optimizer.step()
                 losses.append(loss.item())
                 if (step + 1) % every == 0:
-                    super().log({"vae_pretrain_loss_rec": float(np.mean(losses[-every:])),
-                                 "vae_pretrain_step": step + 1})
+                    logs = {"vae_pretrain_loss_rec": float(np.mean(losses[-every:])), "vae_pretrain_step": step + 1}
+                    super().log(logs)
+                    if not bar.disable:
+                        bar.write(str({"vae_pretrain_loss_rec": f"{logs['vae_pretrain_loss_rec']:.4g}",
+                                       "vae_pretrain_step": step + 1}))
         finally:
+            bar.close()
             drafter.train(was_training)
         self.vae_pretrain_losses = losses  # (the Trainer's `state.log_history` starts afresh in `train`)
         return losses

@@ -292,3 +292,19 @@ def test_walk_comparison_scripts_print_differences_and_intervals(tmp_path):
     assert out.startswith("2 responses") and "A's walk tree tau over random 2-response draws: SD" in out
     out = run(str(examples / "compare_walk_gains.py"), *files, "--resamples", "200")
     assert "B - A +0.1600, C - B +0.0800, (B - A) - (C - B) +0.0800" in out
+
+
+def test_reports_are_strict_json(tmp_path):
+    from hf_chainflow.evaluation import strict_json, write_report
+
+    assert strict_json({"a": [1.0, float("nan")], "b": {"c": float("inf"), "d": (2, "x")}}) == \
+        '{"a": [1.0, null], "b": {"c": null, "d": [2, "x"]}}'
+    result = {"tau": 1.5, "acceptance": [0.5, float("nan")], "num_windows": 2,
+              "per_domain": {"code": {"tau": 1.5, "acceptance": [0.5, float("nan")], "num_windows": 2}}}
+    json_path, _ = write_report(result, tmp_path)
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    loaded = json.loads(json_path.read_text(), parse_constant=refuse)  # a position no window reached: null
+    assert loaded["acceptance"] == [0.5, None] and loaded["per_domain"]["code"]["acceptance"] == [0.5, None]

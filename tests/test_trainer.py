@@ -209,6 +209,17 @@ def test_vae_pretraining_logs_interval_means_clips_and_spares_norms_from_decay(t
     assert len(decayed["params"]) + len(plain["params"]) == len(names)
 
 
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_vae_pretraining_losses_reach_the_console(target, windows, tmp_path, capsys, disable_tqdm):
+    # transformers' console callback prints only once `train()` has opened its bar: the stage prints on its own bar,
+    # and with `disable_tqdm=True` transformers' PrinterCallback prints the logs; either way once per log.
+    args = make_args(tmp_path, logging_steps=2, disable_tqdm=disable_tqdm)
+    trainer = ChainFlowTrainer(model=new_drafter(target), args=args, train_dataset=windows)
+    trainer.pretrain_vae(num_steps=4)
+    printed = capsys.readouterr().out
+    assert printed.count("vae_pretrain_loss_rec") == 2 and "'vae_pretrain_step': 4" in printed
+
+
 def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_path, caplog):
     drafter = new_drafter(target)
     before = drafter.config.train_flow_steps
