@@ -68,3 +68,20 @@ def test_shipped_drafter_serves_a_text_generation_pipeline(target_and_inputs, fo
     drafter.last_stats = None
     assert assisted(chat, max_new_tokens=24, do_sample=False) == plain
     assert drafter.last_stats is not None and drafter.last_stats.rounds > 0
+
+
+@pytest.mark.slow
+def test_shipped_drafter_is_lossless_over_a_long_answer(target_and_inputs):
+    # 400 new tokens (the bench and the tests above stop at 128 / 32): the cache grows long, and the prompt-lookup
+    # branch of the shipped settings is verified alone and grows while accepted whole.
+    target, tok = target_and_inputs[:2]
+    prompt = next(p for p in load_prompts() if p["id"] == "gsm8k-test:1089")  # plain greedy answers past 400 tokens
+    inputs = tok.apply_chat_template([{"role": "user", "content": prompt["prompt"]}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=400)
+    assert plain.shape[1] == inputs["input_ids"].shape[1] + 400
+    drafter = ChainFlowDrafter.from_pretrained(default_drafter_path(), target=target)
+    out = target.generate(**inputs, assistant_model=drafter, do_sample=False, max_new_tokens=400)
+    assert torch.equal(out, plain)
+    stats = drafter.last_stats
+    assert stats.mode == "tree" and stats.lookup_only_rounds > 0 and stats.longest_lookup > 10
