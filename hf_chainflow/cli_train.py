@@ -453,7 +453,7 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     result["drafter"], result["data"] = str(args.drafter), str(args.data)
     if args.out:
         Path(args.out, "offline_eval.json").write_text(strict_json(result, indent=1))
-    acc = " ".join(f"{a:.3f}" if a == a else "-" for a in result["acceptance"])  # NaN: no window reached i
+    acc = " ".join(f"{a:.3f}" if a == a else "-" for a in result["acceptance"])  # NaN: no window reached it
     print(f"tau {result['tau']:.3f} over {result['num_windows']} windows (chain k={args.num_tokens}); acc@i {acc}")
     for name, stats in result["per_domain"].items():
         print(f"  {name:>12}: tau {stats['tau']:.3f} ({stats['num_windows']} windows)")
