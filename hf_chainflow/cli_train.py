@@ -15,7 +15,6 @@ repeatable `--drafter-arg KEY=VALUE` and `--training-arg KEY=VALUE` (values pars
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -262,6 +261,7 @@ def _train(o: dict) -> int:
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
     from hf_chainflow.cli import load_model_and_tokenizer
     from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist, state_statistics
+    from hf_chainflow.evaluation import strict_json
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
     manifest = read_manifest(o["data"])  # before the target loads: a missing --data fails now
@@ -357,7 +357,7 @@ def _train(o: dict) -> int:
                "replay_windows_available": replay_windows, "num_processes": training_args.world_size,
                "vae_pretrain": _vae_pretrain_summary(trainer.vae_pretrain_losses),
                "options": {k: v for k, v in o.items()}}
-    Path(o["out"], "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    Path(o["out"], "train_summary.json").write_text(strict_json(summary, indent=1, default=str))
     what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"
     print(f"saved {what} to {o['out']}: {summary['steps']} steps ({summary['steps_this_run']} in this run), "
           f"{summary['windows_this_run']} windows in {elapsed:.1f} s ({summary['windows_per_second']} windows/s), "

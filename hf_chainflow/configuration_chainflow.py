@@ -57,8 +57,8 @@ class ChainFlowConfig(PreTrainedConfig):
         `"float32"`; training always uses the drafter's dtype. It changes what may be proposed, never the output.
     initializer_range (`float`): std of the normal initialiser.
     pad_token_id / bos_token_id / eos_token_id (`int`, *optional*): the target's special-token ids, copied by
-        `for_target`; transformers' pipelines compare them with the target's to accept the drafter as an assistant
-        that shares its tokenizer.
+        `for_target` (a pad outside the vocabulary is left unset); transformers' pipelines compare them with the
+        target's to accept the drafter as an assistant that shares its tokenizer.
     """
 
     model_type = "chainflow"

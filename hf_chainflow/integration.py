@@ -13,6 +13,7 @@ transformers has no registry for third-party candidate generators.  Two class at
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -206,14 +207,30 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
                 )
 
 
-def bind_to_generating_target(model, drafter) -> None:
-    """Bind an unbound drafter to the target calling `generate` (after every check of the call has passed).
+def bind_to_generating_target(model, drafter) -> bool:
+    """Bind an unbound drafter to the target calling `generate` (after hf_chainflow's checks of the call have
+    passed); returns whether it bound.
 
     `validate_speculative_call` has checked that the drafter was made for a target like `model`; a drafter bound to
     another target was refused there.
     """
-    if not getattr(drafter, "is_bound", True):
-        drafter.bind_target(model)
+    if getattr(drafter, "is_bound", True):
+        return False
+    drafter.bind_target(model)
+    return True
+
+
+@contextlib.contextmanager
+def bound_for_the_call(model, drafter):
+    """`bind_to_generating_target` for one `generate` call: a call that raises (e.g. transformers refusing an
+    argument after hf_chainflow's checks) leaves the drafter unbound again, as it came."""
+    bound_here = bind_to_generating_target(model, drafter)
+    try:
+        yield
+    except BaseException:
+        if bound_here:
+            drafter.unbind_target()
+        raise
 
 
 def needs_own_loop(model, drafter, generation_config: GenerationConfig, stopping_criteria) -> bool:
@@ -259,16 +276,16 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
     config = effective_generation_config(self, generation_config, kwargs)
     own = needs_own_loop(self, assistant_model, config, stopping_criteria)
     validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
-    bind_to_generating_target(self, assistant_model)
-    if own:
-        stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
-        return _original_generate(
-            self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
-            synced_gpus, negative_prompt_ids=negative_prompt_ids,
-            negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=speculative_generate,
-            drafter=assistant_model, chainflow_streamer=streamer, **kwargs,
-        )
-    return call(assistant_model=assistant_model, streamer=streamer, **kwargs)
+    with bound_for_the_call(self, assistant_model):
+        if own:
+            stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
+            return _original_generate(
+                self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+                synced_gpus, negative_prompt_ids=negative_prompt_ids,
+                negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=speculative_generate,
+                drafter=assistant_model, chainflow_streamer=streamer, **kwargs,
+            )
+        return call(assistant_model=assistant_model, streamer=streamer, **kwargs)
 
 
 def _with_stop_strings(config: GenerationConfig, stopping_criteria, kwargs: dict):

@@ -402,6 +402,12 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         self.shortlist_ids = self.shortlist_ids.to(out_emb.weight.device)
         return self
 
+    def unbind_target(self) -> "ChainFlowDrafter":
+        """Forget the borrowed target layers (the inverse of `bind_target`)."""
+        self._bound = {}
+        self._draft_head_cache = None
+        return self
+
     def _check_fingerprint(self, target: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
         """`target`'s output and input embeddings, or a `ValueError` if this drafter was not made for such a target."""
         cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
