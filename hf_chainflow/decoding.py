@@ -26,7 +26,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .integration import bind_to_generating_target, draft_settings, needs_own_loop, validate_speculative_call
+from .integration import draft_settings, needs_own_loop, validate_speculative_call
 from .lookup import next_lookup_length, prompt_lookup
 from .stats import SpeculativeStats
 from .tree import DraftTree
@@ -73,7 +73,7 @@ def speculative_generate(
 
     Args:
         model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
-        drafter: a `ChainFlowDrafter` (or `OracleDrafter`), bound to `model` or unbound (then bound to `model`);
+        drafter: a `ChainFlowDrafter` bound to `model` (`generate` binds an unbound one), or an `OracleDrafter`;
             drafting settings come from `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`,
             `tree_width`, `tree_depth`, `tree_budget`, `num_flow_steps`, and the prompt-lookup branch
             `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`).
@@ -101,7 +101,6 @@ def speculative_generate(
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("`speculative_generate` needs the cache that `generate` prepares (use_cache=True).")
-    bind_to_generating_target(model, drafter)
     settings = draft_settings(drafter)
     do_sample = bool(generation_config.do_sample)
     temperature = float(generation_config.temperature or 1.0) if do_sample else 1.0

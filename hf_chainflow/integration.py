@@ -207,24 +207,17 @@ def validate_speculative_call(model, drafter, generation_config: GenerationConfi
                 )
 
 
-def bind_to_generating_target(model, drafter) -> bool:
-    """Bind an unbound drafter to the target calling `generate` (after hf_chainflow's checks of the call have
-    passed); returns whether it bound.
-
-    `validate_speculative_call` has checked that the drafter was made for a target like `model`; a drafter bound to
-    another target was refused there.
-    """
-    if getattr(drafter, "is_bound", True):
-        return False
-    drafter.bind_target(model)
-    return True
-
-
 @contextlib.contextmanager
 def bound_for_the_call(model, drafter):
-    """`bind_to_generating_target` for one `generate` call: a call that raises (e.g. transformers refusing an
-    argument after hf_chainflow's checks) leaves the drafter unbound again, as it came."""
-    bound_here = bind_to_generating_target(model, drafter)
+    """Bind an unbound drafter to the target calling `generate`, for the call and after it; a call that raises (one of
+    hf_chainflow's checks, or transformers refusing an argument) leaves the drafter unbound again, as it came.
+
+    A drafter made for another kind of target fails to bind (`bind_target` compares fingerprints); one already bound
+    to another target object is refused by `validate_speculative_call`.
+    """
+    bound_here = not getattr(drafter, "is_bound", True)
+    if bound_here:
+        drafter.bind_target(model)
     try:
         yield
     except BaseException:
@@ -262,12 +255,13 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
     if custom_generate is speculative_generate:  # direct use of the loop: keep the streamer
         config = effective_generation_config(self, generation_config, kwargs)
         stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
-        return _original_generate(
-            self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
-            synced_gpus, negative_prompt_ids=negative_prompt_ids,
-            negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate,
-            chainflow_streamer=streamer, **kwargs,
-        )
+        with bound_for_the_call(self, kwargs.get("drafter")):
+            return _original_generate(
+                self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+                synced_gpus, negative_prompt_ids=negative_prompt_ids,
+                negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate,
+                chainflow_streamer=streamer, **kwargs,
+            )
     if not is_chainflow_drafter(assistant_model):
         return call(assistant_model=assistant_model, streamer=streamer, custom_generate=custom_generate, **kwargs)
     if custom_generate is not None:
@@ -275,8 +269,8 @@ def _generate(self, inputs=None, generation_config=None, logits_processor=None, 
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     config = effective_generation_config(self, generation_config, kwargs)
     own = needs_own_loop(self, assistant_model, config, stopping_criteria)
-    validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
     with bound_for_the_call(self, assistant_model):
+        validate_speculative_call(self, assistant_model, config, input_ids, kwargs, own_loop=own)
         if own:
             stopping_criteria = _with_stop_strings(config, stopping_criteria, kwargs)
             return _original_generate(

@@ -396,20 +396,6 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         Raises a `ValueError` naming both fingerprints when the target does not match the one the drafter was
         configured for.
         """
-        out_emb, in_emb = self._check_fingerprint(target)
-        self._bound = {"lm_head": out_emb, "embed": in_emb, "target_config": target.config}
-        self._draft_head_cache = None
-        self.shortlist_ids = self.shortlist_ids.to(out_emb.weight.device)
-        return self
-
-    def unbind_target(self) -> "ChainFlowDrafter":
-        """Forget the borrowed target layers (the inverse of `bind_target`)."""
-        self._bound = {}
-        self._draft_head_cache = None
-        return self
-
-    def _check_fingerprint(self, target: PreTrainedModel) -> tuple[nn.Module, nn.Module]:
-        """`target`'s output and input embeddings, or a `ValueError` if this drafter was not made for such a target."""
         cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         mine = self.config.target_fingerprint()
         theirs = {"model_type": getattr(cfg, "model_type", None), "hidden_size": getattr(cfg, "hidden_size", None),
@@ -429,14 +415,20 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 f"(lm_head {tuple(out_emb.weight.shape)}); mismatched: {mismatched}. Train or load a drafter for "
                 f"this target (`ChainFlowConfig.for_target(target.config)`)."
             )
-        return out_emb, in_emb
+        self._bound = {"lm_head": out_emb, "embed": in_emb, "target_config": target.config}
+        self._draft_head_cache = None
+        self.shortlist_ids = self.shortlist_ids.to(out_emb.weight.device)
+        return self
+
+    def unbind_target(self) -> "ChainFlowDrafter":
+        """Forget the borrowed target layers (the inverse of `bind_target`)."""
+        self._bound = {}
+        self._draft_head_cache = None
+        return self
 
     def check_target(self, target: PreTrainedModel) -> None:
-        """Raise a `ValueError` unless this drafter can draft for `target`: bound to `target` itself, or unbound and
-        made for a target like it (`generate` then binds it, see `bind_to_generating_target`)."""
-        if not self._bound:
-            self._check_fingerprint(target)
-            return
+        """Raise a `ValueError` unless this drafter is bound to `target` itself."""
+        self._require_bound()
         if self._bound["lm_head"] is not target.get_output_embeddings():
             cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
             raise ValueError(

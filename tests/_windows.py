@@ -8,12 +8,14 @@ import torch
 from hf_chainflow import ChainFlowConfig
 
 
+# A drafter small enough to train in seconds on 2 CPU cores.
+TINY_DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
+                "path_hidden_size": 16, "markov_rank": 8}
+
+
 def tiny_drafter_config(target, **overrides) -> ChainFlowConfig:
-    """A drafter small enough to train in seconds on 2 CPU cores."""
-    fields = dict(num_blocks=1, num_heads=2, ffn_multiplier=2, vae_num_layers=1, vae_num_heads=2,
-                  path_hidden_size=16, markov_rank=8)
-    fields.update(overrides)
-    return ChainFlowConfig.for_target(target.config, **fields)
+    """`TINY_DRAFTER` for `target`, with `overrides`."""
+    return ChainFlowConfig.for_target(target.config, **{**TINY_DRAFTER, **overrides})
 
 
 def greedy_sequences(target, num_seqs=4, length=32, prompt_len=4, seed=0):

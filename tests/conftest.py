@@ -10,8 +10,6 @@ import torch
 torch.set_num_threads(int(os.environ.get("HF_CHAINFLOW_TEST_THREADS", "1")))
 
 PROMPTS = Path("/work/shared/data/prompts/train.jsonl")
-TINY_DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
-                "path_hidden_size": 16, "markov_rank": 8}
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,7 @@ def test_state_statistics_come_from_the_training_shards(tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_the_checkpoints_drafter(tiny_prepared, tmp_path):
-    from conftest import TINY_DRAFTER
+    from _windows import TINY_DRAFTER
     from hf_chainflow.cli import main
 
     base = ["train", "--target", str(tiny_prepared / "target"), "--data", str(tiny_prepared / "data"), "--out",

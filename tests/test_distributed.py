@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_DRAFTER as DRAFTER
+from _windows import TINY_DRAFTER as DRAFTER
 
 
 def launch(tmp: Path, *args: str) -> subprocess.CompletedProcess:

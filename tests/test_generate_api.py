@@ -412,7 +412,7 @@ def test_an_unbound_drafter_is_bound_to_the_generating_target(family, route, req
     assert torch.equal(out, ref)
     assert unbound.is_bound
     unbound.check_target(target)  # bound to this very target (another object would raise)
-    # a refused call binds nothing: hf_chainflow's checks run before the bind, and a refusal of transformers' own
+    # a refused call leaves the drafter unbound: a refusal of hf_chainflow's, and one of transformers' own
     # (an unused model kwarg, after them) unbinds it again
     fresh = ChainFlowDrafter(reference.config).eval()
     fresh.generation_config.draft_mode = unbound.generation_config.draft_mode
@@ -421,6 +421,10 @@ def test_an_unbound_drafter_is_bound_to_the_generating_target(family, route, req
     assert not fresh.is_bound
     with pytest.raises(ValueError, match="not used by the model"):
         target.generate(PROMPT, max_new_tokens=4, assistant_model=fresh, not_a_model_kwarg=1)
+    assert not fresh.is_bound
+    with pytest.raises(ValueError, match="batch size 1"):  # the direct route binds and unbinds the same way
+        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, custom_generate=hf_chainflow.speculative_generate,
+                        drafter=fresh)
     assert not fresh.is_bound
 
 
