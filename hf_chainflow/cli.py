@@ -19,6 +19,7 @@ import sys
 import torch
 
 from hf_chainflow.bench import add_bench_parser
+from hf_chainflow.cli_corpus import add_generate_responses_parser
 from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int, usage_error
 from hf_chainflow.cli_train import add_eval_offline_parser, add_train_parser
 from hf_chainflow.demo import add_demo_parser
@@ -48,6 +49,10 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--prompt-column", default="prompt", help="column of --prompts holding the prompt text")
     p.add_argument("--responses", help="JSONL of already-generated responses (id, prompt_ids, response_ids, ...); "
                                        "without --prompts, these rows are the data set")
+    p.add_argument("--corpus", help="response corpus folder (hf_chainflow.corpus): its rows are the data set")
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="split of --corpus to prepare (the held-out split only when named)")
+    p.add_argument("--domains", help="comma-separated domains of --corpus to prepare (default: all)")
     p.add_argument("--out", required=True, help="output directory (shards, manifest, shortlist)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest generated response, in tokens")
@@ -69,8 +74,12 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.prompts and not args.responses:
-        raise usage_error("prepare", "give --prompts, --responses, or both.")
+    if not args.prompts and not args.responses and not args.corpus:
+        raise usage_error("prepare", "give --prompts, --responses (or both), or --corpus.")
+    if args.corpus and args.responses:
+        raise usage_error("prepare", "give --responses or --corpus, not both: both supply the responses.")
+    if args.domains and not args.corpus:
+        raise usage_error("prepare", "--domains selects rows of --corpus; give --corpus too.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
@@ -85,9 +94,20 @@ def run_prepare(args: argparse.Namespace) -> int:
             raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "
                              f"{'is a directory' if os.path.isdir(path) else 'does not exist'}.")
     check_output_dir("--out", args.out)
+    responses = args.responses
+    if args.corpus:
+        from hf_chainflow.corpus import ResponseCorpus
+
+        corpus = ResponseCorpus(args.corpus)
+        responses = corpus.responses(args.split, domains=args.domains.split(",") if args.domains else None)
+        if not responses:
+            raise ValueError(f"`--corpus` {args.corpus!r} holds no {args.split} rows"
+                             f"{' of the domains ' + args.domains if args.domains else ''}.")
     model, tokenizer = load_model_and_tokenizer(args.target, torch.float32)
+    if args.corpus:
+        corpus.check_tokenizer(tokenizer)
     model.to(device)
-    manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=args.responses,
+    manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=responses,
                        prompt_column=args.prompt_column, limit=args.limit, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, generation_dtype=DTYPES[args.dtype],
                        shard_size=args.shard_size, max_batch_tokens=args.max_batch_tokens,
@@ -107,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-chainflow", description=__doc__.splitlines()[0],
                                      epilog="Set HF_CHAINFLOW_TRACEBACK=1 to see the traceback of an error.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_responses_parser(sub)
     add_prepare_parser(sub)
     add_train_parser(sub)
     add_eval_offline_parser(sub)
