@@ -63,6 +63,8 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--shuffle-seed", type=int, default=0, help="order of the sequences (shards mix domains)")
     p.add_argument("--keep-order", action="store_true", help="keep the input order instead of shuffling")
     p.add_argument("--max-shards", type=positive_int, help="stop after this many new shards")
+    p.add_argument("--target-layers", help="comma-separated decoder layers (0-based) whose outputs are cached too "
+                                           "(default: the final state only)")
     p.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
     p.add_argument("--device", help="device of the target's passes, e.g. `cuda` (default: `cuda` when available, "
                                     "else `cpu`); the hidden states are computed in float32 either way")
@@ -94,6 +96,11 @@ def run_prepare(args: argparse.Namespace) -> int:
             raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "
                              f"{'is a directory' if os.path.isdir(path) else 'does not exist'}.")
     check_output_dir("--out", args.out)
+    try:
+        layers = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
+    except ValueError:
+        raise usage_error("prepare", f"--target-layers must be comma-separated layer numbers such as `3,15,27`, "
+                          f"got {args.target_layers!r}.") from None
     responses = args.responses
     if args.corpus:
         from hf_chainflow.corpus import ResponseCorpus
@@ -111,7 +118,8 @@ def run_prepare(args: argparse.Namespace) -> int:
                        prompt_column=args.prompt_column, limit=args.limit, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, generation_dtype=DTYPES[args.dtype],
                        shard_size=args.shard_size, max_batch_tokens=args.max_batch_tokens,
-                       shuffle_seed=None if args.keep_order else args.shuffle_seed, max_shards=args.max_shards)
+                       shuffle_seed=None if args.keep_order else args.shuffle_seed, max_shards=args.max_shards,
+                       target_layers=layers)
     print(f"{len(manifest['finished'])}/{manifest['num_shards']} shards finished in {args.out}")
     return 0
 

@@ -226,3 +226,27 @@ def test_training_data_never_holds_the_heldout_split(tmp_path, saved_target, tok
     assert {s["id"] for s in iter_sequences(tmp_path / "held")} == corpus.ids("heldout")
     assert main(common + ["--domains", "qa", "--out", str(tmp_path / "qa")]) == 0
     assert {s["domain"] for s in iter_sequences(tmp_path / "qa")} == {"qa"}
+
+
+def test_cache_of_chosen_target_layers(tmp_path, model, tok):
+    corpus = ResponseCorpus.create(tmp_path / "c", target="tiny", tokenizer=tok)
+    _generate(model, tok, corpus, _prompts(3))
+    responses = corpus.responses("train")
+    prepare(model, tok, tmp_path / "final", responses=responses, shard_size=4, progress=False)
+    prepare(model, tok, tmp_path / "layers", responses=responses, shard_size=4, progress=False, target_layers=[0])
+    plain, fused = list(iter_sequences(tmp_path / "final")), list(iter_sequences(tmp_path / "layers"))
+    assert "layers" not in plain[0] and sorted(fused[0]["layers"]) == [0]
+    for a, b in zip(plain, fused):
+        assert torch.equal(a["hidden"], b["hidden"]) and torch.equal(a["tokens"], b["tokens"])
+        row = responses[b["id"]]
+        full = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        with torch.no_grad():
+            ref = model(full, output_hidden_states=True).hidden_states  # (embeddings, layer 0, norm(layer 1))
+        torch.testing.assert_close(b["layers"][0].float(), ref[1][0, -b["length"]:], atol=2e-2, rtol=2e-3)
+        assert not torch.allclose(b["layers"][0].float(), b["hidden"].float(), atol=1e-2)
+    with pytest.raises(ValueError, match=r"`target_layers` must be a non-empty list of distinct decoder-layer "
+                                         r"indices in \[0, 1\)"):
+        prepare(model, tok, tmp_path / "bad", responses=responses, progress=False, target_layers=[1])
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="prepared from other inputs or settings"):
+        prepare(model, tok, tmp_path / "final", responses=responses, shard_size=4, progress=False, target_layers=[0])
