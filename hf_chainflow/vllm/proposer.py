@@ -175,6 +175,9 @@ class ChainFlowProposer:
         self._capture: _Capture | None = None
         self._hook = None
         self.stats = {"steps": 0, "drafts": 0, "draft_tokens": 0, "short_context": 0, "lookup_drafts": 0}
+        # Set to a list to record `(committed tokens before the states, context states (<=C, D), chain)` of every
+        # draft (tests compare the states with the target's own; `llm.collective_rpc` reaches the proposer).
+        self.trace: list | None = None
 
     # ---------------------------------------------------------------------------------------------- vLLM's hooks
     def load_model(self, target: torch.nn.Module, *args, **kwargs) -> None:
@@ -184,10 +187,13 @@ class ChainFlowProposer:
         self._hook = target.register_forward_hook(self._on_target_forward)
 
     def _on_target_forward(self, module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # (N, D); a tuple carries EAGLE-3 aux states
+        if not isinstance(hidden, torch.Tensor):
+            self._capture = None
+            return
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
-        hidden = output[0] if isinstance(output, tuple) else output  # (N, D); a tuple carries EAGLE-3 aux states
-        if not isinstance(hidden, torch.Tensor) or not is_forward_context_available():
+        if not is_forward_context_available():
             self._capture = None
             return
         attn = get_forward_context().attn_metadata
@@ -254,6 +260,8 @@ class ChainFlowProposer:
             chain = tree.tokens.tolist()
         self.stats["drafts"] += 1
         self.stats["draft_tokens"] += len(chain)
+        if self.trace is not None:
+            self.trace.append((token_row[:end].copy(), states.float().cpu().numpy(), list(chain)))
         return chain
 
     def _lookup(self, tokens: torch.Tensor, room: int) -> list[int] | None:
