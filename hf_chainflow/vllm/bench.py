@@ -13,7 +13,8 @@ prompts (the shipped ones, chat template, `--limit` taken round-robin over the d
 together, the next `c` when those have finished. Per arm: tokens/s over the timed generate calls (engine start and
 a warm-up excluded), speedup against `plain` of the same dtype and concurrency in the same run, and vLLM's own
 spec-decode counters (drafts, draft tokens, accepted tokens, per position): mean acceptance length
-`1 + accepted / drafts` (tokens per target forward of a speculating request).
+`1 + accepted / drafts` (tokens per target forward of a speculating request); for ChainFlow arms also the
+share of the timed seconds the proposer spent drafting (read from the engine's worker).
 
 Exactness: every arm's output is compared with `plain`'s of the same dtype and concurrency. At the first
 difference the plain engine scores prompt + common prefix in one forward (`logprobs=20`) and
@@ -93,13 +94,13 @@ def prepare_environment() -> None:
 
 
 def start_engine(target: str, dtype: str, speculative: dict | None, *, max_model_len: int, max_num_seqs: int,
-                 enforce_eager: bool = True, enable_prefix_caching: bool = True):
-    """A `vllm.LLM` on `target` with its stats on (for the spec-decode counters)."""
+                 enforce_eager: bool = True, **engine_kwargs):
+    """A `vllm.LLM` on `target` with its stats on (for the spec-decode counters); `engine_kwargs` go to `LLM`."""
     from vllm import LLM
 
     return LLM(model=target, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
-               speculative_config=speculative, disable_log_stats=False, seed=0)
+               enforce_eager=enforce_eager, speculative_config=speculative, disable_log_stats=False, seed=0,
+               **engine_kwargs)
 
 
 def stop_engine(llm) -> None:
@@ -122,6 +123,17 @@ def spec_counters(llm) -> dict:
         elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             out["accepted_per_pos"] = [int(v) for v in metric.values]
     return out
+
+
+def _read_proposer_stats(worker) -> dict | None:
+    stats = getattr(getattr(worker.model_runner, "drafter", None), "stats", None)
+    return dict(stats) if isinstance(stats, dict) else None
+
+
+def proposer_stats(llm) -> dict | None:
+    """The ChainFlow proposer's own counters in the engine's worker (`seconds` spent proposing, `drafts`,
+    `lookup_drafts`, `short_context`), or None for another method."""
+    return llm.collective_rpc(_read_proposer_stats)[0]
 
 
 def counter_delta(after: dict, before: dict) -> dict:
@@ -207,6 +219,7 @@ class Cell:
     outputs: list[list[int]] = field(repr=False)
     speedup: float | None = None
     differences: list[dict] = field(default_factory=list)
+    proposer: dict | None = None  # the ChainFlow proposer's counters over this cell (its drafting time)
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,6 +237,7 @@ class Cell:
         out["exact"] = self.prompts - len(self.differences)
         out["near_tie"] = sum(d["kind"] == "near_tie" for d in self.differences)
         out["unexplained"] = sum(d["kind"] == "unexplained" for d in self.differences)
+        out["proposer_share"] = self.proposer["seconds"] / self.seconds if self.proposer and self.seconds else None
         return out
 
 
@@ -250,10 +264,13 @@ def run_bench(target: str, prompts: list[Prompt], arms: list[VllmArm], dtypes: l
             generate(llm, prompts[:1], WARMUP_TOKENS, 1)
             for c in concurrency:
                 llm.reset_prefix_cache()  # every pass starts cold, as new requests do
-                before = spec_counters(llm)
+                before, proposer_before = spec_counters(llm), proposer_stats(llm) if arm.kind == "chainflow" else None
                 outputs, seconds = generate(llm, prompts, max_new_tokens, c)
                 cell = Cell(arm.name, dtype, c, len(prompts), sum(map(len, outputs)), seconds,
                             counter_delta(spec_counters(llm), before), outputs)
+                if proposer_before is not None:
+                    after = proposer_stats(llm)
+                    cell.proposer = {k: after[k] - proposer_before[k] for k in after}
                 mine[arm.name, c] = cell
                 log(f"[{dtype}] {arm.name} @ {c}: {cell.tokens_per_s:.1f} tokens/s, mean acceptance length "
                     f"{cell.mean_acceptance_length or 1:.2f}")
@@ -277,14 +294,16 @@ def run_bench(target: str, prompts: list[Prompt], arms: list[VllmArm], dtypes: l
 
 
 def markdown(cells: list[Cell]) -> str:
-    lines = ["| dtype | concurrency | arm | tokens/s | speedup | mean acceptance length | drafts | equal to plain | "
-             "near-ties | unexplained |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | concurrency | arm | tokens/s | speedup | mean acceptance length | drafts | drafting time | "
+             "equal to plain | near-ties | unexplained |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         s = c.summary()
         mal = f"{s['mean_acceptance_length']:.2f}" if s["mean_acceptance_length"] is not None else "–"
         speed = f"{s['speedup']:.2f}×" if s["speedup"] is not None else "–"
+        share = f"{100 * s['proposer_share']:.0f}%" if s["proposer_share"] is not None else "–"
         lines.append(f"| {c.dtype} | {c.concurrency} | {c.arm} | {s['tokens_per_s']:.1f} | {speed} | {mal} | "
-                     f"{c.counters['drafts']} | {s['exact']}/{c.prompts} | {s['near_tie']} | {s['unexplained']} |")
+                     f"{c.counters['drafts']} | {share} | {s['exact']}/{c.prompts} | {s['near_tie']} | "
+                     f"{s['unexplained']} |")
     return "\n".join(lines) + "\n"
 
 

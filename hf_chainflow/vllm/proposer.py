@@ -27,6 +27,7 @@ vLLM's verification decides.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -174,7 +175,8 @@ class ChainFlowProposer:
         self.store = _ContextStore(capacity)
         self._capture: _Capture | None = None
         self._hook = None
-        self.stats = {"steps": 0, "drafts": 0, "draft_tokens": 0, "short_context": 0, "lookup_drafts": 0}
+        self.stats = {"steps": 0, "drafts": 0, "draft_tokens": 0, "short_context": 0, "lookup_drafts": 0,
+                      "seconds": 0.0}
         # Set to a list to record `(committed tokens before the states, context states (<=C, D), chain)` of every
         # draft (tests compare the states with the target's own; `llm.collective_rpc` reaches the proposer).
         self.trace: list | None = None
@@ -214,10 +216,11 @@ class ChainFlowProposer:
                 f"{num_reqs} request(s) (its forward hook on the target did not fire, or fired without attention "
                 "metadata). It needs vLLM's V1 model runner calling the target module it was given in "
                 "`load_model`.")
+        start = time.perf_counter()
+        drafts = [self._propose_one(capture, i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu[i])
+                  for i, sampled in enumerate(sampled_token_ids)]
         self.stats["steps"] += 1
-        drafts = []
-        for i, sampled in enumerate(sampled_token_ids):
-            drafts.append(self._propose_one(capture, i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu[i]))
+        self.stats["seconds"] += time.perf_counter() - start
         return drafts
 
     # ---------------------------------------------------------------------------------------------- one request
