@@ -288,8 +288,8 @@ def run_bench(target: str, prompts: list[Prompt], arms: list[VllmArm], dtypes: l
                     log(f"[{dtype}] {name} @ {c}: {len(prompts) - len(cell.differences)} of {len(prompts)} outputs "
                         f"equal plain; {sum(d['kind'] == 'unexplained' for d in cell.differences)} unexplained")
             stop_engine(llm)
-        wanted = [a.name for a in arms]
-        cells += [mine[name, c] for c in concurrency for name in wanted if (name, c) in mine]
+        shown = ["plain"] + [a.name for a in order if a.kind != "plain"]
+        cells += [mine[name, c] for c in concurrency for name in shown]
     return cells
 
 
@@ -307,13 +307,28 @@ def markdown(cells: list[Cell]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def batch_effect(cells: list[Cell]) -> list[str]:
+    """Per dtype, how many of plain's outputs at each concurrency equal plain's at the first concurrency (vLLM's
+    kernels round differently for different batch shapes; a speculative arm verifies several tokens per request)."""
+    lines = []
+    plain = {(c.dtype, c.concurrency): c for c in cells if c.arm == "plain"}
+    for dtype in dict.fromkeys(c.dtype for c in cells):
+        levels = [k[1] for k in plain if k[0] == dtype]
+        first = plain[dtype, levels[0]]
+        for c in levels[1:]:
+            same = sum(a == b for a, b in zip(first.outputs, plain[dtype, c].outputs))
+            lines.append(f"plain @ {c} equals plain @ {levels[0]} on {same}/{first.prompts} prompts ({dtype})")
+    return lines
+
+
 def write_results(out: Path, cells: list[Cell], meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "cells": [c.summary() for c in cells],
                                                   "outputs": {f"{c.arm}@{c.dtype}@{c.concurrency}": c.outputs
                                                               for c in cells}}, indent=1) + "\n")
+    notes = "".join(f"- {line}\n" for line in batch_effect(cells))
     (out / "results.md").write_text(f"# vLLM serving bench\n\n`{meta['command']}`\n\n{meta['machine']}\n\n"
-                                    + markdown(cells))
+                                    + markdown(cells) + ("\n" + notes if notes else ""))
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -373,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, vllm {vllm.__version__}, "
                        f"torch {torch.__version__}, AVX-512 BF16: {torch.cpu._is_avx512_bf16_supported()}",
             "prompts": [p.id for p in prompts], "max_new_tokens": args.max_new_tokens}
+    meta["batch_effect"] = batch_effect(cells)
     write_results(out, cells, meta)
-    print(markdown(cells))
+    print(markdown(cells) + "".join(f"- {line}\n" for line in meta["batch_effect"]))
     return 0 if all(c.summary()["unexplained"] == 0 for c in cells) else 1
 
 
