@@ -250,3 +250,30 @@ def test_cache_of_chosen_target_layers(tmp_path, model, tok):
     assert not (tmp_path / "bad").exists()
     with pytest.raises(ValueError, match="prepared from other inputs or settings"):
         prepare(model, tok, tmp_path / "final", responses=responses, shard_size=4, progress=False, target_layers=[0])
+
+
+def test_push_to_hub_uploads_the_folder_without_pending_rows(tmp_path, model, tok, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:  # records the calls instead of reaching the Hub
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw))
+            return "url"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    corpus = ResponseCorpus.create(tmp_path / "c", target="tiny", tokenizer=tok)
+    _generate(model, tok, corpus, _prompts(7), max_prompts=4)  # pending rows only
+    assert corpus.pending(0)
+    assert corpus.push_to_hub("me/responses", private=True) == "url"
+    (_, token), (_, repo, create), (_, upload) = calls
+    assert repo == "me/responses" and create == {"repo_type": "dataset", "private": True, "exist_ok": True}
+    assert upload["repo_type"] == "dataset" and upload["folder_path"] == str(corpus.path)
+    assert ".pending/*" in upload["ignore_patterns"] and (corpus.path / "README.md").is_file()
