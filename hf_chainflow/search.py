@@ -49,8 +49,8 @@ class DraftBatch:
 
     def tree(self, i: int = 0) -> DraftTree:
         """Window `i`'s draft as a `DraftTree`."""
-        return DraftTree(tokens=self.tokens[i], parents=self.parents[i], depths=self.depths[i],
-                         logprobs=self.logprobs[i], draft_probs=None if self.draft_probs is None else self.draft_probs[i])
+        return DraftTree(tokens=self.tokens[i], parents=self.parents[i], depths=self.depths[i], logprobs=self.logprobs[i],
+                         draft_probs=None if self.draft_probs is None else self.draft_probs[i])
 
 
 def level_sizes(settings: SearchSettings, branching: int) -> list[int]:

@@ -143,6 +143,10 @@ class SearchSettings:
         """Nodes kept after the budget cut (`None`: no cut; chains are never cut)."""
         return self.tree_budget if self.mode == "tree" else None
 
+    def draft_kwargs(self) -> dict:
+        """These settings as the arguments of `drafter.draft`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "max_depth"}
+
 
 # ----------------------------------------------------------------------------------------------------- one call
 @dataclass(frozen=True)
