@@ -59,6 +59,7 @@ PROMPT_TAIL = 16
 
 __all__ = [
     "prepare", "load_prompts", "load_responses", "chat_prompt_ids", "generate_responses", "final_hidden_states",
+    "target_hidden_states",
     "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "state_statistics",
     "ChainFlowWindowDataset", "collate",
 ]
@@ -236,15 +237,19 @@ def generate_responses(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
 
 
 @torch.no_grad()
-def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int]], *, pad_token_id: int,
-                        max_batch_tokens: int = 4096, max_batch: int = 32) -> list[torch.Tensor]:
-    """The target's last hidden state (after the final norm) at every position of each sequence, each `(L, D)`.
+def target_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int]], *, pad_token_id: int,
+                         layers: Sequence[int] = (), max_batch_tokens: int = 4096,
+                         max_batch: int = 32) -> list[torch.Tensor]:
+    """The target's hidden states at every position of each sequence, each `(1 + len(layers), L, D)`: first the last
+    hidden state (after the final norm), then the output of each decoder layer in `layers` (0-based; layer `i`'s
+    output is transformers' `hidden_states[i + 1]`).
 
     Sequences of similar length share a right-padded batch (right padding leaves a causal model's real positions
     unchanged); the model runs in whatever dtype and on whatever device it has, without computing full-vocabulary
     logits. The states come back on the CPU.
     """
     results: list[Any] = [None] * len(sequences)
+    picks = [-1] + [i + 1 for i in layers]
     for batch in _batches_by_length([len(s) for s in sequences], max_batch, max_batch_tokens):
         width = max(len(sequences[i]) for i in batch)
         ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, L)
@@ -254,10 +259,18 @@ def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int
             mask[r, : len(sequences[i])] = 1
         out = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), output_hidden_states=True,
                     logits_to_keep=1, use_cache=False)
-        hidden = out.hidden_states[-1].cpu()  # (B, L, D)
+        hidden = torch.stack([out.hidden_states[k] for k in picks], 1).cpu()  # (B, 1 + len(layers), L, D)
         for r, i in enumerate(batch):
-            results[i] = hidden[r, : len(sequences[i])].clone()
+            results[i] = hidden[r, :, : len(sequences[i])].clone()
     return results
+
+
+def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int]], *, pad_token_id: int,
+                        max_batch_tokens: int = 4096, max_batch: int = 32) -> list[torch.Tensor]:
+    """The target's last hidden state (after the final norm) at every position of each sequence, each `(L, D)`
+    (`target_hidden_states` without extra layers)."""
+    return [h[0] for h in target_hidden_states(model, sequences, pad_token_id=pad_token_id,
+                                               max_batch_tokens=max_batch_tokens, max_batch=max_batch)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,15 +300,19 @@ def _shard_records(path: Path) -> list[dict]:
 
 
 def iter_sequences(out_dir: str | os.PathLike) -> Iterable[dict]:
-    """Yield each finished sequence as a dict: its record plus `tokens (L,)` and `hidden (L, D) float16`."""
-    for shard in read_manifest(out_dir)["finished"]:
+    """Yield each finished sequence as a dict: its record plus `tokens (L,)`, `hidden (L, D) float16` and, for data
+    prepared with `target_layers`, `layers` (`{layer: (L, D) float16}`)."""
+    manifest = read_manifest(out_dir)
+    for shard in manifest["finished"]:
         path = shard_path(out_dir, shard)
         with safe_open(str(path), framework="pt") as f:
             records = json.loads(f.metadata()["sequences"])
             offsets, tokens, hidden = f.get_tensor("offsets"), f.get_tensor("tokens"), f.get_slice("hidden")
+            layers = {i: f.get_slice(f"layer_{i}") for i in manifest.get("target_layers") or ()}
             for n, rec in enumerate(records):
                 a, b = int(offsets[n]), int(offsets[n + 1])
-                yield {**rec, "shard": shard, "row": n, "tokens": tokens[a:b], "hidden": hidden[a:b]}
+                extra = {"layers": {i: t[a:b] for i, t in layers.items()}} if layers else {}
+                yield {**rec, "shard": shard, "row": n, "tokens": tokens[a:b], "hidden": hidden[a:b], **extra}
 
 
 def compute_shortlist(out_dir: str | os.PathLike, manifest: dict | None = None) -> list[int]:
@@ -319,13 +336,15 @@ def read_shortlist(out_dir: str | os.PathLike) -> list[int]:
     return json.loads(path.read_text())["shortlist"]
 
 
-def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch.Tensor], prompt_tail: int) -> None:
-    """Keep the last `prompt_tail` prompt positions and all response positions of each sequence; write one shard."""
+def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch.Tensor], prompt_tail: int,
+                 layers: Sequence[int] = ()) -> None:
+    """Keep the last `prompt_tail` prompt positions and all response positions of each sequence; write one shard.
+    `hidden[n]` is `(1 + len(layers), L, D)` (`target_hidden_states`)."""
     spans, toks, offsets, starts, records = [], [], [0], [], []
     for row, h in zip(rows, hidden):
         p_len, r_len = len(row["prompt_ids"]), len(row["response_ids"])
         keep = min(prompt_tail, p_len)
-        span = h[p_len - keep:].to(torch.float16)  # (keep + R, D)
+        span = h[:, p_len - keep:].to(torch.float16)  # (1 + len(layers), keep + R, D)
         if not torch.isfinite(span).all():
             raise ValueError(f"Sequence {row['id']!r}: hidden states overflow float16 (max |h| = "
                              f"{h.abs().max().item():.3g}); this target cannot be cached in float16.")
@@ -336,7 +355,9 @@ def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch
         records.append({"id": row["id"], "domain": row["domain"], "language": row["language"],
                         "source": row.get("source", ""), "finish": row["finish"], "prompt_len": p_len,
                         "response_len": r_len, "length": keep + r_len, "response_start": keep})
-    tensors = {"hidden": torch.cat(spans), "tokens": torch.cat(toks),
+    states = torch.cat(spans, 1)  # (1 + len(layers), T, D)
+    tensors = {"hidden": states[0].contiguous(), **{f"layer_{i}": states[k + 1].contiguous() for k, i in enumerate(layers)},
+               "tokens": torch.cat(toks),
                "offsets": torch.tensor(offsets, dtype=torch.long),
                "response_start": torch.tensor(starts, dtype=torch.long)}
     path = shard_path(out_dir, shard)
@@ -392,6 +413,7 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
             limit: int | None = None, batch_size: int = 32, max_new_tokens: int = 256,
             generation_dtype: torch.dtype = torch.bfloat16, shard_size: int = 128, prompt_tail: int = PROMPT_TAIL,
             max_batch_tokens: int = 4096, shuffle_seed: int | None = 0, max_shards: int | None = None,
+            target_layers: Sequence[int] | None = None,
             on_shard_done: Callable[[int], None] | None = None, progress: bool = True) -> dict:
     """Generate (or take) the target's greedy responses and cache its hidden states in shards under `out_dir`.
 
@@ -408,6 +430,9 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     - `limit`: keep only the first `limit` rows (before shuffling).
     - `shuffle_seed`: order the sequences randomly (so any prefix of the shards mixes domains); `None` keeps the
       input order.
+    - `target_layers`: decoder layers (0-based, before the last) whose outputs are stored too, as
+      `layer_<i> (T, D)` beside `hidden` (e.g. for drafters that fuse low, middle and high layers); `None` stores
+      the final state only.
     """
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("shard_size", shard_size),
                         ("prompt_tail", prompt_tail), ("max_batch_tokens", max_batch_tokens)):
@@ -425,6 +450,16 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                          f"{on_shard_done!r}.")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"`out_dir` {str(out_dir)!r} is a file; give a folder for the prepared data.")
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if target_layers is not None:
+        layers = list(target_layers) if isinstance(target_layers, (list, tuple)) else None
+        if (not layers or any(not _is_int(i) or not 0 <= i < num_layers - 1 for i in layers)
+                or len(set(layers)) != len(layers)):
+            raise ValueError(f"`target_layers` must be a non-empty list of distinct decoder-layer indices in "
+                             f"[0, {num_layers - 1}) (this target has {num_layers} layers; the last one's output is "
+                             f"the final state, always stored), or None for the final state only; got "
+                             f"{target_layers!r}.")
+        target_layers = sorted(layers)
     rows = _build_rows(tokenizer, prompts, responses, prompt_column)[:limit]
     if not rows:
         raise ValueError("There are no rows to prepare: the given `prompts` / `responses` are empty.")
@@ -442,7 +477,7 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     settings = {"shard_size": shard_size, "prompt_tail": prompt_tail, "max_new_tokens": max_new_tokens,
                 "generation_dtype": str(generation_dtype).removeprefix("torch."),
                 "hidden_size": model.config.get_text_config().hidden_size,
-                "vocab_size": model.config.get_text_config().vocab_size}
+                "vocab_size": model.config.get_text_config().vocab_size, "target_layers": target_layers}
     fingerprint = hashlib.sha256("\n".join(ids).encode()).hexdigest()
     # What the rows hold, not only their ids: a changed chat template, prompt column or supplied response resumed
     # into the same directory would mix two data sets. (Manifests written before it existed are checked by ids.)
@@ -513,9 +548,10 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                     json.dumps({k: r[k] for k in ("id", "domain", "language", "source", "prompt_ids", "response_ids",
                                                   "finish")}) + "\n" for r in need))
             bar.set_postfix_str(f"shard {shard}: hidden states")
-            hidden = final_hidden_states(hidden_model.eval(), [r["prompt_ids"] + r["response_ids"] for r in part],
+            hidden = target_hidden_states(hidden_model.eval(), [r["prompt_ids"] + r["response_ids"] for r in part],
+                                          layers=target_layers or (),
                                          pad_token_id=pad, max_batch_tokens=max_batch_tokens)
-            _write_shard(out_dir, shard, part, hidden, prompt_tail)
+            _write_shard(out_dir, shard, part, hidden, prompt_tail, target_layers or ())
             manifest["finished"] = sorted(set(manifest["finished"]) | {shard})
             _write_index_and_shortlist(out_dir, manifest)
             _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))

@@ -1,5 +1,6 @@
 """`hf-chainflow`: prepare data, train and evaluate ChainFlow drafters, benchmark and demo speculative decoding.
 
+    hf-chainflow generate-responses --prompts P.jsonl --corpus DIR # the target's responses into a corpus
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
     hf-chainflow train --data DIR --out DRAFTER                    # train a drafter
@@ -7,9 +8,9 @@
     hf-chainflow bench --limit 16                                  # wall-clock speedup of ar/pld/chain/tree arms
     hf-chainflow demo                                              # stream speculative generations
 
-One module per subcommand (`prepare.py`, `train.py`, `eval_offline.py`, `bench.py`, `demo.py`), each holding its
-argument parsing (`add_<name>_parser`) and one `run_<name>` that checks the options and calls the library; torch is
-imported there, when the subcommand runs, not when the parser is built.
+One module per subcommand (`generate_responses.py`, `prepare.py`, `train.py`, `eval_offline.py`, `bench.py`,
+`demo.py`), each holding its argument parsing (`add_<name>_parser`) and one `run_<name>` that checks the options
+and calls the library; torch is imported there, when the subcommand runs, not when the parser is built.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 from hf_chainflow.commands.bench import add_bench_parser
 from hf_chainflow.commands.demo import add_demo_parser
 from hf_chainflow.commands.eval_offline import add_eval_offline_parser
+from hf_chainflow.commands.generate_responses import add_generate_responses_parser
 from hf_chainflow.commands.prepare import add_prepare_parser
 from hf_chainflow.commands.train import add_train_parser
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-chainflow", description=__doc__.splitlines()[0],
                                      epilog="Set HF_CHAINFLOW_TRACEBACK=1 to see the traceback of an error.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_responses_parser(sub)
     add_prepare_parser(sub)
     add_train_parser(sub)
     add_eval_offline_parser(sub)

@@ -3,6 +3,7 @@
 
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
+    hf-chainflow prepare --corpus corpus/smollm2-135m-instruct --out DIR   # the rows of a response corpus
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--prompt-column", default="prompt", help="column of --prompts holding the prompt text")
     p.add_argument("--responses", help="JSONL of already-generated responses (id, prompt_ids, response_ids, ...); "
                                        "without --prompts, these rows are the data set")
+    p.add_argument("--corpus", help="response corpus folder (hf_chainflow.corpus): its rows are the data set")
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="split of --corpus to prepare (the held-out split only when named)")
+    p.add_argument("--domains", help="comma-separated domains of --corpus to prepare (default: all)")
     p.add_argument("--out", required=True, help="output directory (shards, manifest, shortlist)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest generated response, in tokens")
@@ -33,6 +38,8 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--shuffle-seed", type=int, default=0, help="order of the sequences (shards mix domains)")
     p.add_argument("--keep-order", action="store_true", help="keep the input order instead of shuffling")
     p.add_argument("--max-shards", type=positive_int, help="stop after this many new shards")
+    p.add_argument("--target-layers", help="comma-separated decoder layers (0-based) whose outputs are cached too "
+                                           "(default: the final state only)")
     p.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
     p.add_argument("--device", help="device of the target's passes, e.g. `cuda` (default: `cuda` when available, "
                                     "else `cpu`); the hidden states are computed in float32 either way")
@@ -47,8 +54,12 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.prompts and not args.responses:
-        raise usage_error("prepare", "give --prompts, --responses, or both.")
+    if not args.prompts and not args.responses and not args.corpus:
+        raise usage_error("prepare", "give --prompts, --responses (or both), or --corpus.")
+    if args.corpus and args.responses:
+        raise usage_error("prepare", "give --responses or --corpus, not both: both supply the responses.")
+    if args.domains and not args.corpus:
+        raise usage_error("prepare", "--domains selects rows of --corpus; give --corpus too.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
@@ -63,13 +74,30 @@ def run_prepare(args: argparse.Namespace) -> int:
             raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "
                              f"{'is a directory' if os.path.isdir(path) else 'does not exist'}.")
     check_output_dir("--out", args.out)
+    try:
+        layers = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
+    except ValueError:
+        raise usage_error("prepare", f"--target-layers must be comma-separated layer numbers such as `3,15,27`, "
+                          f"got {args.target_layers!r}.") from None
+    responses = args.responses
+    if args.corpus:
+        from hf_chainflow.corpus import ResponseCorpus
+
+        corpus = ResponseCorpus(args.corpus)
+        responses = corpus.responses(args.split, domains=args.domains.split(",") if args.domains else None)
+        if not responses:
+            raise ValueError(f"`--corpus` {args.corpus!r} holds no {args.split} rows"
+                             f"{' of the domains ' + args.domains if args.domains else ''}.")
     model, tokenizer = load_model_and_tokenizer(args.target, torch.float32)
+    if args.corpus:
+        corpus.check_tokenizer(tokenizer)
     model.to(device)
-    manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=args.responses,
+    manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=responses,
                        prompt_column=args.prompt_column, limit=args.limit, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, generation_dtype=getattr(torch, args.dtype),
                        shard_size=args.shard_size, max_batch_tokens=args.max_batch_tokens,
-                       shuffle_seed=None if args.keep_order else args.shuffle_seed, max_shards=args.max_shards)
+                       shuffle_seed=None if args.keep_order else args.shuffle_seed, max_shards=args.max_shards,
+                       target_layers=layers)
     print(f"{len(manifest['finished'])}/{manifest['num_shards']} shards finished in {args.out}")
     return 0
 
