@@ -28,15 +28,16 @@ REPORT = ("import json, sys, hf_chainflow\n"
 
 
 def test_help_and_usage_errors_import_neither_torch_nor_transformers():
-    argvs = [["--help"], [], ["--version"], ["prepare"], ["train", "--bogus"], ["bench", "--threads", "0"],
-             ["demo", "--dtype", "int8"], ["eval-offline", "--data", "d"],
-             *[[name, "--help"] for name in ("prepare", "train", "eval-offline", "bench", "demo")]]
+    commands = ("generate-responses", "prepare", "train", "eval-offline", "bench", "demo")
+    argvs = [["--help"], [], ["--version"], ["generate-responses", "--prompts", "p.jsonl"], ["prepare"],
+             ["train", "--bogus"], ["bench", "--threads", "0"], ["demo", "--dtype", "int8"],
+             ["eval-offline", "--data", "d"], *[[name, "--help"] for name in commands]]
     code = (f"import sys\nfrom hf_chainflow.commands import main\nstate = {{'codes': []}}\n"
             f"for argv in {argvs!r}:\n"
             "    try:\n        main(argv)\n    except SystemExit as err:\n        state['codes'].append(err.code)\n"
             "state['loaded'] = sorted({'torch', 'transformers'} & set(sys.modules))\n" + REPORT)
     result = _run(code)
-    assert result["codes"] == [0] + [2] * 7 + [0] * 5  # every argv exits through argparse
+    assert result["codes"] == [0] + [2] * 8 + [0] * len(commands)  # every argv exits through argparse
     assert result["loaded"] == []
 
 
