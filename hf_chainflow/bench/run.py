@@ -68,7 +68,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         arms: from `build_arms` (plus any custom arms); every dtype needs an `ar` arm (the baseline).
         drafters: drafter name -> dtype name -> a drafter bound to `models[dtype]`.
         decode: token ids -> text, for the printed differences.
-        journal: a file (`JOURNAL_NAME`, `hf_chainflow.bench.defaults`) to which each finished prompt is appended; with `resume`,
+        journal: a file (`defaults.JOURNAL_NAME`) to which each finished prompt is appended; with `resume`,
             the prompts already in it are read back instead of run again (their settings must match).
         partial: with `resume`, run nothing: summarise only the prompts the journal already holds. The results get
             `"partial": {"prompts_done", "prompts_total"}`; pooled figures then cover those prompts' domains only.

@@ -1,5 +1,5 @@
 """`hf-chainflow train` trains a ChainFlow drafter (or a LoRA adapter) on a prepared data directory
-(`hf_chainflow.workflows.train_drafter`); `hf-chainflow eval-offline` measures its τ (`hf_chainflow.commands.eval_offline`).
+(`hf_chainflow.workflows.train_drafter`); `hf-chainflow eval-offline` measures its τ (`eval_offline.py`).
 
     hf-chainflow train --target smollm2-135m-instruct --data DATA_DIR --out DRAFTER_DIR [--config train.yaml]
     hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_DRAFTER --lr 1.2e-4 --replay EN_DATA
