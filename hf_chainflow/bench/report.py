@@ -1,9 +1,9 @@
-"""Reports of `hf-chainflow bench` (see `hf_chainflow.bench`): `results.json`, `results.md` and two PNG plots
+"""Reports of `hf-chainflow bench` (see `hf_chainflow.bench.run`): `results.json`, `results.md` and two PNG plots
 (speedup per domain per arm as grouped bars; acceptance per draft depth per speculative arm as lines).
 
 A saved run's report can be written again (e.g. after a report section was added) without rerunning it:
 
-    python -m hf_chainflow.bench_report docs/results/bench
+    python -m hf_chainflow.bench.report docs/results/bench
 """
 
 from __future__ import annotations

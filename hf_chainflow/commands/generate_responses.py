@@ -83,7 +83,7 @@ def run_generate_responses(args: argparse.Namespace) -> int:
 
     import torch
 
-    from hf_chainflow.cli import load_model_and_tokenizer
+    from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,23 +28,21 @@ from pathlib import Path
 
 import torch
 
-from .stats import SpeculativeStats
+from ..stats import SpeculativeStats
+from .arms import Run
+from .defaults import JOURNAL_NAME
 
 logger = logging.getLogger(__name__)
 
-JOURNAL_NAME = "runs.jsonl"
 
-
-def run_to_dict(run) -> dict:
-    """A `bench.Run` as plain JSON types."""
+def run_to_dict(run: Run) -> dict:
+    """A `Run` as plain JSON types."""
     return {"tokens": list(run.tokens), "seconds": run.seconds,
             "stats": asdict(run.stats) if run.stats is not None else None, "forwards": run.forwards}
 
 
-def run_from_dict(d: dict):
+def run_from_dict(d: dict) -> Run:
     """The inverse of `run_to_dict`."""
-    from .bench import Run
-
     stats = SpeculativeStats(**d["stats"]) if d["stats"] is not None else None
     return Run(list(d["tokens"]), float(d["seconds"]), stats, d["forwards"])
 
