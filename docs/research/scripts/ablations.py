@@ -1,6 +1,6 @@
 """Serving-time ablations of a trained drafter, measured as offline acceptance length on held-out windows.
 
-    python examples/ablations.py --drafter DIR --data DATA_DIR --shards 7-9 --out runs/ablations [--max-windows 3000]
+    python docs/research/scripts/ablations.py --drafter DIR --data DATA_DIR --shards 7-9 --out runs/ablations [--max-windows 3000]
 
 Rows (one trained drafter, only what it is served with changes; training-time ablations, i.e. a drafter trained
 per source / expert count / feedback setting, are beyond this CPU budget and not claimed here):

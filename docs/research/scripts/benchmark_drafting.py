@@ -1,7 +1,7 @@
 """Micro-benchmark (not a test): drafting latency of a ChainFlow drafter on the real SmolLM2 target, split into
 VAE / flow / head / search, next to the target's own one-token step and multi-token verification times.
 
-    python examples/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300] [--compile]
+    python docs/research/scripts/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300] [--compile]
 
 Without `--drafter`, a randomly initialised drafter with the default config for the target is timed (latency does
 not depend on the weights' values). `--compile` also times the drafting round with the transport

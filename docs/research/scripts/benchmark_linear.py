@@ -5,7 +5,7 @@ linear layers with `n` rows. Where torch has bfloat16 matrix kernels (AMX, AVX-5
 one does; elsewhere the bfloat16 path's time grows with the rows. Prints the CPU capability torch reports and the
 median time per call.
 
-    python examples/benchmark_linear.py [--threads 2] [--repeats 50] [--in-features 576] [--out-features 1536]
+    python docs/research/scripts/benchmark_linear.py [--threads 2] [--repeats 50] [--in-features 576] [--out-features 1536]
 
 The defaults are SmolLM2-135M's MLP up-projection (hidden 576, intermediate 1536).
 """

@@ -5,8 +5,8 @@ serving modes (its shipped settings: an 8x4 tree cut to 12 nodes plus a prompt-l
 branch; a chain of 3), each compared token for token with the plain output. A difference is reported with its first
 diverging position and the plain model's logits for both tokens there (in float32 any difference is a bug).
 
-    python examples/check_long_outputs.py --per-domain 1 --extra mt-bench:154 --max-new-tokens 400 --threads 2 \
-        --out docs/results/long-outputs/long_outputs.jsonl
+    python docs/research/scripts/check_long_outputs.py --per-domain 1 --extra mt-bench:154 --max-new-tokens 400 --threads 2 \
+        --out docs/research/results/long-outputs/long_outputs.jsonl
 """
 
 import argparse

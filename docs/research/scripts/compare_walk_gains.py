@@ -5,7 +5,7 @@ with the same `eval-offline --walk-sequences N`).  Resamples the responses (one 
 `hf_chainflow.evaluation.resampled_walk_taus`) and prints, per walk mode, `(tau_B - tau_A) - (tau_C - tau_B)` with
 its 95 % interval:
 
-    python examples/compare_walk_gains.py A/offline_eval.json B/offline_eval.json C/offline_eval.json
+    python docs/research/scripts/compare_walk_gains.py A/offline_eval.json B/offline_eval.json C/offline_eval.json
 """
 
 import argparse

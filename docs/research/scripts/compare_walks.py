@@ -4,7 +4,7 @@ Each `offline_eval.json` comes from `hf-chainflow eval-offline ... --walk-sequen
 N (so both walked the same responses).  Prints, per walk mode, both `tau`, their difference and a paired-bootstrap
 95 % interval over the responses (`hf_chainflow.evaluation.paired_walk_difference`):
 
-    python examples/compare_walks.py runs/eval-A/offline_eval.json runs/eval-B/offline_eval.json
+    python docs/research/scripts/compare_walks.py runs/eval-A/offline_eval.json runs/eval-B/offline_eval.json
 
 `--subset 100` compares on the 100 responses `--walk-sequences 100` would have walked (the same seeded draw of
 `evaluate_walk`, `--subset-seed`, default 0), from walks over more responses, and prints how much A's `tau` varies

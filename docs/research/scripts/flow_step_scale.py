@@ -7,10 +7,10 @@ a two-step trajectory, plus the path-corrected state) and served with one step. 
 onto the target, the first velocity is pulled toward twice the transport, and one full step overshoots: a scale
 alpha < 1 would then predict better.
 
-    python examples/flow_step_scale.py runs/heldout/data --threads 1 --out docs/results/flow-step-scale/scan.json
+    python docs/research/scripts/flow_step_scale.py runs/heldout/data --threads 1 --out docs/research/results/flow-step-scale/scan.json
 
 `runs/heldout/data`: the target's responses to 64 training prompts no drafter was trained on (8 a domain,
-`examples/select_training_prompts.py --per-domain 8 --seed 3030`, excluding the shared responses and the rounds of
+`docs/research/scripts/select_training_prompts.py --per-domain 8 --seed 3030`, excluding the shared responses and the rounds of
 seeds 2026 and 2027), prepared with `hf-chainflow prepare --prompts ... --shard-size 64 --dtype float32`.
 """
 

@@ -5,7 +5,7 @@ rank (`resize_markov_head`). The copy computes exactly what the original does un
 train --init-from OUT`); this script checks that on random training windows before saving (the corrected states
 and the logits must agree).
 
-    python examples/grow_feedback_heads.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct \
+    python docs/research/scripts/grow_feedback_heads.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct \
         --path-width 512 --out runs/pathprobe/init
 """
 

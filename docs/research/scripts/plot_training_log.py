@@ -1,6 +1,6 @@
 """Plot the training loss of one or more `hf-chainflow train` logs (the Trainer's printed log dicts).
 
-    python examples/plot_training_log.py NAME=LOG [NAME=LOG ...] --out loss.png [--key loss]
+    python docs/research/scripts/plot_training_log.py NAME=LOG [NAME=LOG ...] --out loss.png [--key loss]
 
 A log line is a printed dict such as `{'loss': '1.396', ..., 'epoch': '0.1209'}`; lines without the key are
 skipped (the final summary line has `train_loss`, not `loss`).

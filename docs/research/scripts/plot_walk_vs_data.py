@@ -1,10 +1,10 @@
 """Held-out serving-walk tau against the number of target responses a drafter was trained on, with a log-linear fit
 extended to a bar per drafting mode (the walk tau a speed target needs).  Prints each fit and where it crosses.
 
-    python examples/plot_walk_vs_data.py 896=docs/results/offline-chainflow-stage1/offline_eval.json \\
-        2688=docs/results/offline-chainflow-stage2/offline_eval.json \\
-        4224=docs/results/offline-chainflow/offline_eval.json \\
-        --bar tree=2.43 --bar chain=2.01 --available 37065 --out docs/results/walk-vs-data.png
+    python docs/research/scripts/plot_walk_vs_data.py 896=docs/research/results/offline-chainflow-stage1/offline_eval.json \\
+        2688=docs/research/results/offline-chainflow-stage2/offline_eval.json \\
+        4224=docs/research/results/offline-chainflow/offline_eval.json \\
+        --bar tree=2.43 --bar chain=2.01 --available 37065 --out docs/research/results/walk-vs-data.png
 
 Each JSON is an `hf-chainflow eval-offline ... --walk-sequences N` report (key `walk`).  The fit is a least-squares
 line of walk tau on ln(responses); three points from stages that also differ in training steps make it a rough

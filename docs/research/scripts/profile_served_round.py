@@ -1,6 +1,6 @@
 """Profile (not a test): where a served ChainFlow round's time goes on the real SmolLM2 target.
 
-    python examples/profile_served_round.py [--dtype bfloat16] [--mode tree] [--lookup] [--prompts 8] [--threads 2]
+    python docs/research/scripts/profile_served_round.py [--dtype bfloat16] [--mode tree] [--lookup] [--prompts 8] [--threads 2]
 
 Generates evaluation prompts greedily with the shipped drafter (`target.generate(assistant_model=drafter)`, the
 drafter's own tree shape and budget; the prompt-lookup branch off unless `--lookup`) and times each phase of the

@@ -6,7 +6,7 @@ token it is 0 by definition, so only the differences whose reference argmax was 
 again. This scores those (the prompt and ar's tokens come from the run's journal, `runs.jsonl`) and prints each
 one's classification now.
 
-    python examples/recheck_near_ties.py docs/results/bench-defaults --out docs/results/near-tie-recheck/recheck.json
+    python docs/research/scripts/recheck_near_ties.py docs/research/results/bench-defaults --out docs/research/results/near-tie-recheck/recheck.json
 """
 
 import argparse

@@ -7,7 +7,7 @@ shipped drafter and the real target, on the bench's stratified evaluation prompt
 prompt, and prints tau and acceptance per depth per arm (Markdown), next to each arm's greedy tau on the same
 prompts. Speed is the bench's business, not this script's.
 
-    python examples/sampling_tau.py --limit 8 --temperature 0.7 --top-p 0.9 --threads 2 [--drafter PATH]
+    python docs/research/scripts/sampling_tau.py --limit 8 --temperature 0.7 --top-p 0.9 --threads 2 [--drafter PATH]
 """
 
 import argparse

@@ -5,7 +5,7 @@ evaluation set's 8 domains, drawn from `train.jsonl` among the prompts not in th
 than 4,000 characters, seed 2026 (one `random.Random` shuffles each domain's candidates in turn, domains in sorted
 order). The evaluation prompts themselves are never drawn: only their domain names are read.
 
-    python examples/select_training_prompts.py --prompts ../shared/data/prompts/train.jsonl \\
+    python docs/research/scripts/select_training_prompts.py --prompts ../shared/data/prompts/train.jsonl \\
         --exclude ../shared/data/responses/smollm2-135m-instruct.jsonl \\
         --domains-from ../shared/data/prompts/eval.jsonl --per-domain 192 --seed 2026 --out runs/more/prompts.jsonl
     hf-chainflow prepare --prompts runs/more/prompts.jsonl --out runs/more/data --shard-size 128 --shuffle-seed 0

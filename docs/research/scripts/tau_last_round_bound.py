@@ -6,7 +6,7 @@ saved `results.json`, but only a prompt that stopped at `max_new_tokens` can hav
 them gives the lowest tau the run can have had. Prints, per drafter arm, the pooled tau (tokens after the first /
 target forwards) as recorded and with that extra forward.
 
-    python examples/tau_last_round_bound.py docs/results/bench-defaults/results.json
+    python docs/research/scripts/tau_last_round_bound.py docs/research/results/bench-defaults/results.json
 """
 
 import argparse

@@ -5,7 +5,7 @@ states, where `L_CE` uses only the greedy label. This prints, over the valid dra
 windows: how often the argmax of those logits is the stored label (near 1 on greedy responses: the check that the
 states and labels line up), the mean probability of the label, and the mean entropy in nats.
 
-    python examples/teacher_distribution.py --data runs/heldout632/data --shards 0 --windows 256
+    python docs/research/scripts/teacher_distribution.py --data runs/heldout632/data --shards 0 --windows 256
 """
 
 import argparse

@@ -1,8 +1,8 @@
 """Which tree budget should a serving round verify? Fixed budgets and per-round budgets from the drafter's own path
 probabilities, compared by the serving walk on held-out responses and priced with measured latencies.
 
-    python examples/tree_budget_walk.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct \\
-        --data runs/smollm2/data --shards 21-25 --responses 100 --out docs/results/tree-budget-walk
+    python docs/research/scripts/tree_budget_walk.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct \\
+        --data runs/smollm2/data --shards 21-25 --responses 100 --out docs/research/results/tree-budget-walk
 
 1. At every anchor of `--responses` held-out responses (seeded), draft the full `--tree` (8x4: 32 nodes) once and
    record, for the target's own path through it, each path node's rank by path probability.  Cutting the tree to
@@ -11,7 +11,7 @@ probabilities, compared by the serving walk on held-out responses and priced wit
 2. Walk each rule as the serving loop does (`hf_chainflow.evaluation.walk_rounds`: a round accepting `a` tokens
    moves `a + 1` tokens on): walk tau = tokens / rounds.
 3. Price a round verifying `b` nodes as drafting (`--draft-ms`) + the target's forward over `b + 1` tokens,
-   interpolated from `--latency` (the `target forward, N token(s)` lines of `examples/benchmark_drafting.py`'s
+   interpolated from `--latency` (the `target forward, N token(s)` lines of `docs/research/scripts/benchmark_drafting.py`'s
    output) + `--verify-extra-ms` (what a served verify costs beyond that forward: lm_head rows and inputs).
    Time per token = mean round cost / walk tau; rules are compared by it (prefill excluded).
 
@@ -42,7 +42,7 @@ def forward_latency(path: str) -> tuple[np.ndarray, np.ndarray]:
     rows = re.findall(r"target forward, (\d+) token\(s\).*?([\d.]+)\s*$", Path(path).read_text(), flags=re.M)
     if len(rows) < 2:
         raise ValueError(f"`--latency` {path} holds {len(rows)} `target forward, N token(s)` lines; need at least 2 "
-                         "(the output of examples/benchmark_drafting.py).")
+                         "(the output of docs/research/scripts/benchmark_drafting.py).")
     n, ms = np.array([[int(a), float(b)] for a, b in rows]).T
     return n, ms
 
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--shards", type=parse_shards, help="held-out shards, e.g. 21-25")
     ap.add_argument("--responses", type=int, default=100, help="walk this many responses (seeded)")
     ap.add_argument("--tree", default="8x4")
-    ap.add_argument("--latency", default="docs/results/latency/shipped.txt")
+    ap.add_argument("--latency", default="docs/research/results/latency/shipped.txt")
     ap.add_argument("--draft-ms", type=float, default=14.2, help="drafting per served round (served profile)")
     ap.add_argument("--verify-extra-ms", type=float, default=6.7,
                     help="served verify beyond the plain forward (served profile: 57.4 - 50.7 ms at 13 tokens)")

@@ -5,7 +5,7 @@ Runs plain greedy generation, transformers' prompt lookup and the `tree+lookup` 
 bfloat16, and prints tokens/s per prompt and the speedup over plain generation per domain. Use training prompts, not
 the evaluation set:
 
-    python examples/tune_lookup_growth.py --prompts docs/results/tuning/prompts.jsonl --max-tokens none,20,32,48
+    python docs/research/scripts/tune_lookup_growth.py --prompts docs/research/results/tuning/prompts.jsonl --max-tokens none,20,32,48
 
 Outputs differ between arms where bf16 near-ties flip (see docs/bench.md), so a prompt's figure can move with its
 text; the round counts printed next to each ChainFlow figure show when they did.
