@@ -159,7 +159,8 @@ def test_the_checks_catch_a_stale_reference(tmp_path, monkeypatch):
     (tmp_path / "docs" / "b.md").write_text("# B\n\n## Present\n\n- **A bold lead.** text\n")
     page.write_text(
         "See [b](b.md#absent), [c](c.md), [b.md](b.md), \"Gone\", [b.md](b.md), \"Present\", "
-        "[b.md](b.md), \"A bold lead\" and section \"Nowhere\".\n"
+        "[b.md](b.md), \"A bold lead\" and section \"Nowhere\" (docs/b.md, \"Also gone\"; "
+        "docs/research/absent.md, \"Anything\").\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     with pytest.raises(AssertionError) as links:
@@ -168,5 +169,27 @@ def test_the_checks_catch_a_stale_reference(tmp_path, monkeypatch):
     with pytest.raises(AssertionError) as refs:
         test_references_by_title_name_a_section(page)
     message = str(refs.value)
-    assert '"Gone"' in message and '"Nowhere"' in message
+    assert '"Gone"' in message and '"Nowhere"' in message and '"Also gone"' in message
+    assert "missing page: docs/research/absent.md" in message
     assert '"Present"' not in message and "bold lead" not in message
+
+
+def test_the_size_and_index_checks_catch_a_long_page_and_an_unlisted_experiment(tmp_path, monkeypatch):
+    research = tmp_path / "docs" / "research"
+    for folder in ("results/run-a", "scripts", "recipes"):
+        (research / folder).mkdir(parents=True)
+    (research / "scripts" / "probe.py").write_text("")
+    (research / "README.md").write_text("[run a](results/run-a/)\n")  # lists the run, not the script
+    (research / "log.md").write_text("line\n" * 1000)  # the research folder is exempt from the size limit
+    (tmp_path / "README.md").write_text("line\n" * (README_MAX_LINES + 1))
+    (tmp_path / "docs" / "long.md").write_text("line\n" * (REFERENCE_MAX_LINES + 1))
+    (tmp_path / "docs" / "short.md").write_text("line\n" * REFERENCE_MAX_LINES)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError) as sizes:
+        test_page_lengths()
+    message = str(sizes.value)
+    assert "README.md: 151 lines" in message and "docs/long.md: 301 lines" in message
+    assert "short.md" not in message and "log.md" not in message
+    with pytest.raises(AssertionError) as index:
+        test_research_index_links_every_experiment()
+    assert "docs/research/scripts/probe.py" in str(index.value) and "run-a" not in str(index.value)
