@@ -67,12 +67,12 @@ def main(target: str, drafter: str, language: str, prompts, heldout_prompts, out
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="known target name or local model folder")
-    parser.add_argument("--drafter", required=True, help="the trained base drafter's folder")
-    parser.add_argument("--language", required=True, help="the adapter's name, e.g. `tr`")
-    parser.add_argument("--prompts", required=True, help="JSONL of training prompts in that language")
-    parser.add_argument("--heldout", required=True, help="JSONL of held-out prompts in that language")
-    parser.add_argument("--out", required=True, help="output folder (data, adapter, merged drafter)")
+    for flag, what in (("--target", "known target name or local model folder"),
+                       ("--drafter", "the trained base drafter's folder"), ("--language", "the adapter's name, e.g. tr"),
+                       ("--prompts", "JSONL of training prompts in that language"),
+                       ("--heldout", "JSONL of held-out prompts in that language"),
+                       ("--out", "output folder (data, adapter, merged drafter)")):
+        parser.add_argument(flag, required=True, help=what)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--lr", type=float, default=1.2e-4)

@@ -38,12 +38,6 @@ def example(name):
     return module
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template, saved as a model folder."""
@@ -66,6 +60,12 @@ def trained(target_dir, tmp_path_factory):
         batch_size=32, learning_rate=2e-3, vae_pretrain_steps=20, drafter_config=TINY_DRAFTER, tree=(4, 3),
         tree_budget=6, walk_sequences=4)
     return out, report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():  # tiny models: one thread (see tests/_windows.py)
+    with one_thread():
+        yield
 
 
 @pytest.mark.slow
