@@ -48,12 +48,13 @@ _HOOK_MODULES = ("modeling_chainflow", "configuration_chainflow", "testing", "in
 
 
 def _install_hook() -> None:
-    """Install the `generate` hook (idempotent); imports `integration`, which imports `modeling_chainflow`."""
+    """Install the `generate` hook (idempotent) and register the `chainflow` model type (`modeling_chainflow`
+    registers it with `AutoConfig`/`AutoModel` when imported)."""
     package = sys.modules[__name__]
     for name in ("modeling_chainflow", "integration"):
         if f"{__name__}.{name}" in sys.modules and name not in vars(package):
             return  # still being imported: the import system binds it on the package when done, which calls again
-    from . import integration
+    from . import integration, modeling_chainflow  # noqa: F401  (modeling_chainflow: the registration)
 
     integration.install()
 

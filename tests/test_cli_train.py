@@ -42,12 +42,12 @@ def test_bad_options_are_named(tmp_path):
         parse("--data", "/d", "--drafter-arg", "num_blocks")  # not KEY=VALUE
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RECIPES = Path(__file__).resolve().parents[1] / "docs" / "research" / "recipes"  # the stage recipes
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("train_*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("train_*.yaml")))
 def test_shipped_recipes_resolve(name):
-    config = EXAMPLES / name
+    config = RECIPES / name
     replay = ["--replay", "/r"] if "replay_shards" in config.read_text() else []
     o = resolve_train_options(parse("--config", str(config), "--data", "/d", "--out", "/o", *replay))
     assert o["max_steps"] > 0 and o["batch_size"] > 0 and o["shards"]
@@ -56,7 +56,7 @@ def test_shipped_recipes_resolve(name):
 
 
 def test_there_are_shipped_recipes():
-    assert len(list(EXAMPLES.glob("train_*.yaml"))) >= 5
+    assert len(list(RECIPES.glob("train_*.yaml"))) >= 5
 
 
 def test_prepare_rejects_an_unknown_device_before_loading_the_target():

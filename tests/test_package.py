@@ -46,7 +46,7 @@ DRAFTER_PATHS = [
     "import hf_chainflow\nassert 'torch' not in sys.modules\nhf_chainflow.ChainFlowDrafter",
     "from hf_chainflow.configuration_chainflow import ChainFlowConfig",
     "from hf_chainflow.testing import OracleDrafter",
-    "import hf_chainflow.decoding",  # imports the hook's module while it is still being imported
+    "import hf_chainflow.integration",  # the hook's own module (it imports decoding, settings, ...)
 ]
 HOOK_STATE = ("from transformers import AutoConfig, AutoModel\n"
               "from transformers.generation.utils import GenerationMixin\n"
