@@ -16,7 +16,7 @@ def tiny_prepared(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer (`target/`) and its prepared responses to the first 16
     fixture prompts (`data/`, one shard), in a temporary directory."""
     tmp = tmp_path_factory.mktemp("tiny-prepared")
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
     from hf_chainflow.targets import load_tokenizer
     from hf_chainflow.testing import tiny_target
 

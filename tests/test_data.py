@@ -333,7 +333,7 @@ def test_prompts_from_datasets_and_cut_response():
 
 
 def test_cli_prepare_on_a_local_model_dir(tmp_path, model, tok):
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     model_dir = tmp_path / "tiny"
     model.save_pretrained(model_dir)

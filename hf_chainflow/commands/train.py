@@ -225,35 +225,12 @@ def run_train(args: argparse.Namespace) -> int:
     created = not out.exists()
     from hf_chainflow.workflows import train_drafter
 
-    had_process_group = _process_group_initialized()  # a caller's own group is the caller's to destroy
     try:
-        code = train_drafter(o)
+        return train_drafter(o)
     except BaseException:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a run that failed before writing anything leaves no empty --out behind
         raise
-    if not had_process_group and _process_group_initialized():
-        _end_process_group()
-    return code
-
-
-def _process_group_initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _end_process_group() -> None:
-    """Destroy the process group the training arguments set up (torchrun), and free the trainer's DDP wrapper, which
-    still holds it, so that gloo joins its worker threads now. Left to interpreter shutdown, a worker still releasing
-    the last collective's tensors takes the GIL of a finalizing interpreter, and the process aborts ("terminate
-    called without an active exception")."""
-    import gc
-
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    gc.collect()  # the trainer (`train_drafter`'s, now unreferenced) sits in reference cycles
 
 
 __all__ = ["TRAIN_DEFAULTS", "add_train_parser", "parse_shard_selection", "replay_sources", "resolve_train_options",
