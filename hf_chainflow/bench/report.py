@@ -3,7 +3,7 @@
 
 A saved run's report can be written again (e.g. after a report section was added) without rerunning it:
 
-    python -m hf_chainflow.bench.report docs/results/bench
+    python -m hf_chainflow.bench.report docs/research/results/bench
 """
 
 from __future__ import annotations
