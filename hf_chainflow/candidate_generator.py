@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .settings import SpeculativeSettings
 from .stats import SpeculativeStats
 
 
@@ -26,19 +27,28 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         drafter: a bound [`ChainFlowDrafter`] (or `hf_chainflow.testing.OracleDrafter`).
         generation_config: the target's generation config for this call (`max_length`, `do_sample`,
             `temperature`); the chain length is `drafter.generation_config.num_assistant_tokens`.
+        settings: the call's `SpeculativeSettings` (`generate` passes those it checked; default: read from
+            `drafter.generation_config` and `generation_config`). Chains without a lookup branch only: trees and
+            lookup branches run in hf_chainflow's own loop.
     """
 
     requires_model_outputs: bool = True
     model_kwargs_overrides: dict[str, Any] = {"output_hidden_states": True}
 
-    def __init__(self, drafter, generation_config, logits_processor=None, **kwargs):
+    def __init__(self, drafter, generation_config, logits_processor=None, settings: SpeculativeSettings | None = None,
+                 **kwargs):
+        if settings is None:
+            settings = SpeculativeSettings.from_drafter(drafter, generation_config)
+        if settings.mode != "chain" or settings.lookup_num_tokens is not None:
+            raise ValueError(
+                f"`ChainFlowCandidateGenerator` drafts chains in transformers' assisted loop, but the drafter's "
+                f"generation config asks for draft_mode={settings.mode!r}, lookup_num_tokens="
+                f"{settings.lookup_num_tokens!r}. Call `target.generate(..., assistant_model=drafter)`, which runs "
+                f"trees and lookup branches in hf_chainflow's own loop."
+            )
         self.drafter = drafter
-        dcfg = drafter.generation_config
-        self.num_tokens = int(dcfg.num_assistant_tokens)
-        self.num_flow_steps = getattr(dcfg, "num_flow_steps", None)
+        self.settings = settings
         self.max_length = generation_config.max_length
-        self.do_sample = bool(generation_config.do_sample)
-        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 1.0
         self.context_size = drafter.context_size
         self.states = None  # (1, <=C, D) last committed target states
         self.stats = SpeculativeStats(mode="chain", loop="transformers")
@@ -71,20 +81,19 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         self.states = self.states[:, -self.context_size:]
 
         # 2. Draft a chain, capped so that the verified length never passes `max_length`.
-        budget = min(self.num_tokens, self.max_length - input_ids.shape[1] - 1)
-        if budget <= 0:  # one token left: a plain step, still a target forward (a round of depth 0)
+        room = self.max_length - input_ids.shape[1] - 1
+        if room <= 0:  # one token left: a plain step, still a target forward (a round of depth 0)
             self._pending_depth = 0
             self._round_start = time.perf_counter()
             return input_ids, None
         start = time.perf_counter()
-        tree = self.drafter.draft(self.states, input_ids, mode="chain", num_tokens=budget,
-                                  num_flow_steps=self.num_flow_steps, do_sample=self.do_sample,
-                                  temperature=self.temperature)
+        draft = self.settings.draft_kwargs(room)
+        tree = self.drafter.draft(self.states, input_ids, **draft)
         self.stats.draft_time += time.perf_counter() - start
-        self._pending_depth = budget
+        self._pending_depth = draft["num_tokens"]
         candidates = torch.cat([input_ids, tree.tokens.to(input_ids.device)[None]], 1)
         logits = None
-        if self.do_sample:
+        if self.settings.do_sample:
             logits = tree.draft_probs.log()[None]  # (1, n, V): softmax gives back q exactly
         self._round_start = time.perf_counter()
         return candidates, logits

@@ -351,6 +351,19 @@ class ResponseCorpus:
         _atomic_write(path, (_card_header(self, counts) + body + _counts_section(counts)).encode())
         return path
 
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None):
+        """Upload the corpus folder (card, `corpus.json`, shards; not the pending rows) to the Hub as a dataset repo,
+        so that `datasets.load_dataset(repo_id)` returns its splits. The card is written afresh first."""
+        from huggingface_hub import HfApi
+
+        self.write_card()
+        api = HfApi(token=token)
+        api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
+        return api.upload_folder(repo_id=repo_id, repo_type="dataset", folder_path=str(self.path),
+                                 ignore_patterns=[f"{PENDING}/*", ".*.tmp-*"],
+                                 commit_message=commit_message or f"{self.counts()['train']['rows']} train responses")
+
     # -- counts -----------------------------------------------------------------------------------------------
 
     def counts(self) -> dict:

@@ -26,8 +26,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .integration import draft_settings, needs_own_loop, validate_speculative_call
 from .lookup import next_lookup_length, prompt_lookup
+from .settings import SpeculativeSettings, validate_speculative_call
 from .stats import SpeculativeStats
 from .tree import DraftTree
 from .verification import Acceptance, accept_greedy, accept_sampling, accept_sampling_tree, commit, verify_forward
@@ -67,6 +67,7 @@ def speculative_generate(
     drafter=None,
     chainflow_streamer=None,
     gdn_method: str = "chunk",
+    chainflow_settings: SpeculativeSettings | None = None,
     **model_kwargs,
 ):
     """Speculative generation with a ChainFlow drafter in hf_chainflow's own loop (batch size 1).
@@ -79,6 +80,8 @@ def speculative_generate(
             `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`).
         chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
+        chainflow_settings: the call's drafting settings, read and checked by hf_chainflow's `generate` with the
+            rest of the call (set by `generate`; without them, the loop reads and checks them itself).
 
     Returns the sequences `(1, L)`, or a `GenerateDecoderOnlyOutput` with `sequences` when
     `return_dict_in_generate=True`.  Statistics are left in `drafter.last_stats`.
@@ -93,23 +96,21 @@ def speculative_generate(
         )
     if drafter is None:
         raise ValueError("`speculative_generate` needs `drafter=` (a ChainFlowDrafter).")
-    validate_speculative_call(model, drafter, generation_config, input_ids, {**model_kwargs, "gdn_method": gdn_method},
-                              own_loop=True)
+    settings = chainflow_settings
+    if settings is None:  # reached without hf_chainflow's `generate` (which checks the call and passes the settings)
+        settings = SpeculativeSettings.from_drafter(drafter, generation_config)
+        validate_speculative_call(model, drafter, generation_config, input_ids,
+                                  {**model_kwargs, "gdn_method": gdn_method}, own_loop=True)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("`attention_mask` has padded positions; speculative generation takes one unpadded prompt.")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("`speculative_generate` needs the cache that `generate` prepares (use_cache=True).")
-    settings = draft_settings(drafter)
-    do_sample = bool(generation_config.do_sample)
-    temperature = float(generation_config.temperature or 1.0) if do_sample else 1.0
-    # Sampling draws the draft from q only for a plain chain (accepted with min(1, p/q)); trees and lookup branches
-    # are drafted greedily and accepted child by child (`accept_sampling_tree`), which needs no q.
-    sample_drafts = do_sample and settings["mode"] == "chain" and settings["lookup_num_tokens"] is None
+    do_sample = settings.do_sample
     max_length = generation_config.max_length
     context_size = drafter.context_size
-    stats = SpeculativeStats(mode=settings["mode"], loop="chainflow")
+    stats = SpeculativeStats(mode=settings.mode, loop="chainflow")
     drafter.last_stats = stats
     streamer = chainflow_streamer
     if streamer is not None:
@@ -136,29 +137,24 @@ def speculative_generate(
         streamer.put(ids[:, -1:].cpu())
     done = stop_now(ids)
 
-    lookup_len = settings["lookup_num_tokens"]  # grows on fully accepted trusted branches (`lookup_max_tokens`)
+    lookup_len = settings.lookup_num_tokens  # grows on fully accepted trusted branches (`lookup_max_tokens`)
     while not done:
         # 2. Draft (never past max_length: a round adds accepted + 1 tokens).
         start = time.perf_counter()
         room = max_length - ids.shape[1] - 1
         lookup, ngram = None, 0
-        if room >= 1 and settings["lookup_num_tokens"] is not None:
-            lookup, ngram = prompt_lookup(ids[0], min(lookup_len, room), settings["lookup_ngram"])
-        trusted = lookup is not None and settings["lookup_trust_ngram"] is not None and (
-            ngram >= settings["lookup_trust_ngram"])
+        if room >= 1 and settings.lookup_num_tokens is not None:
+            lookup, ngram = prompt_lookup(ids[0], min(lookup_len, room), settings.lookup_ngram)
+        trusted = lookup is not None and settings.lookup_trust_ngram is not None and (
+            ngram >= settings.lookup_trust_ngram)
         if lookup is not None and not trusted:  # merged into a tree: the base length keeps the verify narrow
-            lookup = lookup[: settings["lookup_num_tokens"]]
+            lookup = lookup[: settings.lookup_num_tokens]
         if room < 1:
             tree = _empty_tree(ids.device)
         elif trusted:  # a long match: verify the looked-up branch alone, no drafter pass
             tree = DraftTree.chain(lookup)
         else:
-            tree = drafter.draft(
-                states, ids, mode=settings["mode"], num_tokens=min(settings["num_tokens"], room),
-                tree_width=settings["tree_width"], tree_depth=min(settings["tree_depth"], room),
-                tree_budget=settings["tree_budget"],
-                num_flow_steps=settings["num_flow_steps"], do_sample=sample_drafts, temperature=temperature,
-            )
+            tree = drafter.draft(states, ids, **settings.draft_kwargs(room))
             if lookup is not None:
                 tree = tree.with_chain(lookup)
         if lookup is not None:
@@ -194,9 +190,9 @@ def speculative_generate(
         if streamer is not None:
             streamer.put(ids[:, -emitted:].cpu())
 
-        if trusted and settings["lookup_max_tokens"] is not None:  # a copy that held: try a longer one next time
+        if trusted and settings.lookup_max_tokens is not None:  # a copy that held: try a longer one next time
             lookup_len = next_lookup_length(lookup_len, len(acc.nodes), tree.num_nodes,
-                                            settings["lookup_num_tokens"], settings["lookup_max_tokens"])
+                                            settings.lookup_num_tokens, settings.lookup_max_tokens)
 
         # 6. Compact the cache to prefix + root + the accepted nodes that were emitted (all of them unless a stop
         #    came first), so that the cache always holds the sequence but its last token, as after plain `generate`;
@@ -219,4 +215,4 @@ def speculative_generate(
     return ids
 
 
-__all__ = ["speculative_generate", "needs_own_loop"]
+__all__ = ["speculative_generate"]

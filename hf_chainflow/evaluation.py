@@ -20,8 +20,9 @@ cached responses: start at a response's first anchor, draft, accept, jump `a + 1
 `tau = tokens / rounds` is what the serving loop would measure on these responses (`walk_rounds`,
 `evaluate_walk`).
 
-Two chain paths give the same drafts: `reference_chain` calls `drafter.draft` per window (the serving call); the
-default batched path (`draft_chains`) runs the same computation for a batch of windows at once.
+Two paths give the same drafts: the serving call per window (`drafter.draft`, `reference_chain`), and the default
+batched path (`draft_batch`, `draft_chains`), which predicts the states of a batch of windows in one drafter pass and
+runs the serving search (`hf_chainflow.search.candidate_search`) on all of them at once, for chains and trees.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from tqdm.auto import tqdm
 from transformers import default_data_collator
 
 from .data import check_windows_fit
-from .modeling_chainflow import check_num_flow_steps
+from .search import DraftBatch, candidate_search
+from .settings import SearchSettings, check_num_flow_steps
 from .trainer import unwrap_drafter
 
 
@@ -65,41 +67,36 @@ def _committed(prev_tokens: torch.Tensor, p: int) -> torch.Tensor:
 @torch.no_grad()
 def reference_chain(drafter, window: dict, num_tokens: int, num_flow_steps: int | None = None) -> torch.Tensor:
     """The serving call on one window: `drafter.draft(states, committed, mode="chain")` -> draft tokens `(k,)`."""
+    return _serving_draft(drafter, window, dict(mode="chain", num_tokens=num_tokens), num_flow_steps).tokens
+
+
+def _serving_draft(drafter, window: dict, search: dict, num_flow_steps: int | None):
+    """`drafter.draft(**search)` on one window's existing context states and committed tokens -> its `DraftTree`."""
     states = window["context_states"][window["context_mask"].bool()][None]  # (1, T<=C, D): only existing states
     committed = _committed(window["prev_tokens"], drafter.config.path_order)[None]  # (1, p)
-    tree = drafter.draft(states.to(drafter.device), committed.to(drafter.device), mode="chain",
-                         num_tokens=num_tokens, num_flow_steps=num_flow_steps)
-    return tree.tokens
+    return drafter.draft(states.to(drafter.device), committed.to(drafter.device), num_flow_steps=num_flow_steps,
+                         **search)
+
+
+@torch.no_grad()
+def draft_batch(drafter, context_states: torch.Tensor, context_mask: torch.Tensor, committed: torch.Tensor,
+                settings: SearchSettings, num_flow_steps: int | None = None) -> DraftBatch:
+    """The drafts of a batch of windows: one drafter pass over their context, then the serving search.
+
+    context_states `(B, C, D)`, context_mask `(B, C)`, committed `(B, p)` (last = bonus) -> `DraftBatch` `(B, N)`.
+    Each window gets the serving call's draft (`drafter.draft`), up to the rounding of batched products: a near-tie
+    between two candidates can fall the other way.
+    """
+    states = drafter.predict_states(context_states, context_mask, num_flow_steps)  # (B, K, D)
+    return candidate_search(drafter, states, committed, settings)
 
 
 @torch.no_grad()
 def draft_chains(drafter, context_states: torch.Tensor, context_mask: torch.Tensor, committed: torch.Tensor,
                  num_tokens: int, num_flow_steps: int | None = None) -> torch.Tensor:
-    """Greedy chains for a batch of windows, the same maths as `drafter.draft(..., mode="chain")` (which evaluates
-    the feedback heads folded, `serving_feedback_weight`: a near-tie between candidates can round the other way).
-
-    context_states `(B, C, D)`, context_mask `(B, C)`, committed `(B, p)` (last = bonus) -> tokens `(B, k)`.
-    The two-pass candidate head keeps, per window, the top `candidate_budget` rows by their best score over the
-    `k` drafted positions; here the other rows are masked to `-inf`, which selects the same argmax.
-    """
-    drafter._check_draft_args("chain", num_tokens, 1, 1)
-    states = drafter.predict_states(context_states, context_mask, num_flow_steps)  # (B, K, D)
-    W = drafter.serving_head_weight()  # (S, D), in the serving dtype, as `drafter.draft` uses it
-    head = torch.nn.functional.linear(states[:, :num_tokens].to(W.dtype), W).float()  # (B, k, S)
-    candidates = None
-    if W.shape[0] > drafter.config.candidate_budget:
-        rows = head.max(1).values.topk(drafter.config.candidate_budget, -1).indices  # (B, M)
-        candidates = torch.zeros(head.shape[0], W.shape[0], dtype=torch.bool, device=head.device)
-        candidates.scatter_(1, rows, True)  # (B, S)
-    beams, out = committed, []
-    for d in range(num_tokens):
-        logits = drafter.feedback_logits(states[:, d], beams, W, head_logits=head[:, d])  # (B, S)
-        if candidates is not None:
-            logits = logits.masked_fill(~candidates, float("-inf"))
-        token = drafter._draft_index_to_token(logits.float().argmax(-1))  # (B,) vocabulary ids
-        out.append(token)
-        beams = torch.cat([beams[:, 1:], token[:, None]], 1)
-    return torch.stack(out, 1)  # (B, k)
+    """Greedy chains of `num_tokens` for a batch of windows (`draft_batch`) -> tokens `(B, k)`."""
+    settings = SearchSettings(mode="chain", num_tokens=num_tokens, max_depth=drafter.max_draft_depth)
+    return draft_batch(drafter, context_states, context_mask, committed, settings, num_flow_steps).tokens
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,6 +127,20 @@ def tree_matching_path(tree, target_tokens: torch.Tensor, target_mask: torch.Ten
 def tree_accepted_length(tree, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> int:
     """Depth of the longest root-to-node path of `tree` (a `DraftTree`) whose tokens equal the target's."""
     return len(tree_matching_path(tree, target_tokens, target_mask))
+
+
+def tree_accepted_lengths(drafts: DraftBatch, target_tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """`tree_accepted_length` for a batch: drafts `(B, N)` (chains or trees), target tokens/mask `(B, T)` -> `(B,)`."""
+    B = drafts.tokens.shape[0]
+    node = torch.full((B,), -1, dtype=torch.long, device=drafts.tokens.device)  # (B,) last matched node, -1 = root
+    alive = torch.ones(B, dtype=torch.bool, device=node.device)
+    accepted = torch.zeros(B, dtype=torch.long, device=node.device)
+    for d in range(min(int(drafts.depths.max()) if drafts.depths.numel() else 0, target_tokens.shape[1])):
+        hit = (drafts.parents == node[:, None]) & (drafts.tokens == target_tokens[:, d, None])  # (B, N)
+        alive = alive & target_mask[:, d].bool() & hit.any(1)
+        node = torch.where(alive, hit.long().argmax(1), node)  # the first matching child, as `tree_matching_path`
+        accepted += alive.long()
+    return accepted
 
 
 def summarize(accepted: np.ndarray, valid: np.ndarray, num_tokens: int) -> dict:
@@ -177,9 +188,10 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
             `domain` index names a domain of `dataset.domains`.
         num_tokens: chain length `k` (the serving `num_assistant_tokens`).
         max_windows: evaluate a seeded random subset of this many windows.
-        tree: `(width, depth)` to also measure tree drafting (per window, on at most `max_tree_windows` of them).
+        tree: `(width, depth)` to also measure tree drafting (on at most `max_tree_windows` of the windows).
         tree_budget: keep that many nodes of each tree (highest path probability; `None`: all).
-        batched: use `draft_chains` (fast) rather than one `drafter.draft` call per window (the serving call).
+        batched: draft batches of windows (`draft_batch`, fast) rather than one `drafter.draft` call per window (the
+            serving call).
         walk_sequences: also replay the serving walk (`evaluate_walk`) on this many responses of `dataset` (seeded;
             all of them if it has fewer): the `tau` a serving loop would measure on them. Needs every anchor of
             those responses, so `dataset` must record `seq_of` and `anchor` (a `ChainFlowWindowDataset`).
@@ -192,13 +204,10 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     drafter = unwrap_drafter(model)
     drafter._require_bound()
     check_windows_fit(drafter.config, dataset)
-    drafter._check_draft_args("chain", num_tokens, 1, 1)
+    searches = _search_settings(drafter, num_tokens, tree, tree_budget)
     check_num_flow_steps(num_flow_steps)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
-    if tree is not None:
-        width, depth = _check_tree(tree)
-        drafter._check_draft_args("tree", 1, width, depth, tree_budget)
     if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise ValueError(f"`output_dir` {str(output_dir)!r} is a file; give a folder for offline_eval.json.")
     if walk_sequences is not None:  # fail now, before any drafting, on a count or a dataset the walk cannot use
@@ -216,62 +225,64 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     result = {"settings": {"num_tokens": num_tokens, "num_flow_steps": steps,
                            "max_windows": max_windows, "batched": batched, "walk_sequences": walk_sequences,
                            "seed": seed}}
+    run = dict(batched=batched, batch_size=batch_size, num_flow_steps=num_flow_steps, label=label, progress=progress)
     with _eval_mode(model):
-        p, device = drafter.config.path_order, drafter.device
-        accepted, valid, domains = [], [], []
-        loader = DataLoader(data, batch_size=batch_size if batched else 1, collate_fn=default_data_collator)
-        for batch in tqdm(loader, desc="offline tau", disable=not progress, unit="batch"):
-            if batched:
-                drafts = draft_chains(drafter, batch["context_states"].to(device), batch["context_mask"].to(device),
-                                      _committed(batch["prev_tokens"], p).to(device), num_tokens, num_flow_steps).cpu()
-            else:
-                drafts = reference_chain(drafter, {k: v[0] for k, v in batch.items()}, num_tokens, num_flow_steps)
-                drafts = drafts.cpu()[None]
-            accepted.append(accepted_lengths(drafts, batch["target_tokens"], batch["target_mask"]))
-            valid.append(batch["target_mask"][:, :num_tokens].bool())
-            domains.append(batch["domain"] if "domain" in batch else torch.full((drafts.shape[0],), -1))
-        accepted = torch.cat(accepted).numpy()
-        valid = torch.cat(valid).numpy()
-        domains = torch.cat(domains).numpy()
-        result.update(summarize(accepted, valid, num_tokens))
-        result["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], num_tokens)
-                                for d in sorted(set(domains.tolist()))}
+        result.update(_evaluate_mode(drafter, data, searches["chain"], desc="offline tau", **run))
         if tree is not None:
-            result["tree"] = _evaluate_tree(drafter, data, width, depth, tree_budget, max_tree_windows, num_flow_steps,
-                                            seed, label, progress)
+            result["tree"] = {"shape": list(tree), "budget": tree_budget, **_evaluate_mode(
+                drafter, _subset(data, max_tree_windows, seed), searches["tree"],
+                desc=f"offline tau (tree {tree[0]}x{tree[1]})", **run)}
         if walk_sequences is not None:
-            result["walk"] = evaluate_walk(drafter, dataset, num_tokens=num_tokens, tree=tree, tree_budget=tree_budget,
-                                           max_sequences=walk_sequences, num_flow_steps=num_flow_steps, seed=seed,
-                                           label=label, progress=progress)
+            result["walk"] = _walk(drafter, dataset, searches, max_sequences=walk_sequences,
+                                   num_flow_steps=num_flow_steps, seed=seed, label=label, progress=progress)
     if output_dir is not None:
         write_report(result, output_dir)
     return result
 
 
-def _tree_window_length(drafter, w: dict, width: int, depth: int, budget: int | None,
-                        num_flow_steps: int | None) -> tuple[int, int]:
-    """The serving call `drafter.draft(mode="tree")` on one window -> (accepted length, the tree's depth)."""
-    states = w["context_states"][w["context_mask"].bool()][None].to(drafter.device)  # (1, T<=C, D)
-    committed = _committed(w["prev_tokens"], drafter.config.path_order)[None].to(drafter.device)  # (1, p)
-    tree = drafter.draft(states, committed, mode="tree", tree_width=width, tree_depth=depth, tree_budget=budget,
-                         num_flow_steps=num_flow_steps)
+def _search_settings(drafter, num_tokens: int, tree, tree_budget) -> dict[str, SearchSettings]:
+    """The chain (and, with `tree`, tree) search of an evaluation, checked once."""
+    K = drafter.max_draft_depth
+    out = {"chain": SearchSettings(mode="chain", num_tokens=num_tokens, max_depth=K)}
+    if tree is not None:
+        width, depth = _check_tree(tree)
+        out["tree"] = SearchSettings(mode="tree", tree_width=width, tree_depth=depth, tree_budget=tree_budget,
+                                     max_depth=K)
+    return out
+
+
+def _window_length(drafter, w: dict, settings: SearchSettings, num_flow_steps: int | None) -> tuple[int, int]:
+    """The serving call (`drafter.draft`) on one window -> (accepted length, the draft's depth)."""
+    if settings.mode == "chain":
+        drafts = reference_chain(drafter, w, settings.num_tokens, num_flow_steps).cpu()[None]  # (1, k)
+        return int(accepted_lengths(drafts, w["target_tokens"][None], w["target_mask"][None])[0]), drafts.shape[1]
+    tree = _serving_draft(drafter, w, settings.draft_kwargs(), num_flow_steps)
     return tree_accepted_length(tree, w["target_tokens"].to(tree.tokens.device), w["target_mask"]), tree.max_depth
 
 
-def _evaluate_tree(drafter, data, width, depth, budget, max_windows, num_flow_steps, seed, label, progress) -> dict:
-    """Per-window tree drafting (`drafter.draft(mode="tree")`) and longest matching path."""
-    data = _subset(data, max_windows, seed)
+def _evaluate_mode(drafter, data, settings: SearchSettings, *, batched: bool, batch_size: int,
+                   num_flow_steps: int | None, label, progress: bool, desc: str) -> dict:
+    """Accepted lengths of `settings`' drafts on every window of `data` (`draft_batch` per batch, or the serving
+    call per window), summarised overall and per domain."""
+    p, device, depth = drafter.config.path_order, drafter.device, settings.depth
     accepted, valid, domains = [], [], []
-    for i in tqdm(range(len(data)), desc=f"offline tau (tree {width}x{depth})", disable=not progress):
-        w = data[i]
-        accepted.append(_tree_window_length(drafter, w, width, depth, budget, num_flow_steps)[0])
-        valid.append(w["target_mask"][:depth].bool().numpy())
-        domains.append(int(w["domain"]) if "domain" in w else -1)
-    accepted, valid, domains = np.array(accepted), np.stack(valid), np.array(domains)
-    out = {"shape": [width, depth], "budget": budget, **summarize(accepted, valid, depth)}
-    out["per_domain"] = {label(d): summarize(accepted[domains == d], valid[domains == d], depth)
-                         for d in sorted(set(domains.tolist()))}
-    return out
+    loader = DataLoader(data, batch_size=batch_size if batched else 1, collate_fn=default_data_collator)
+    for batch in tqdm(loader, desc=desc, disable=not progress, unit="batch"):
+        if batched:
+            drafts = draft_batch(drafter, batch["context_states"].to(device), batch["context_mask"].to(device),
+                                 _committed(batch["prev_tokens"], p).to(device), settings, num_flow_steps)
+            lengths = tree_accepted_lengths(drafts, batch["target_tokens"].to(device),
+                                            batch["target_mask"].to(device)).cpu()
+        else:
+            lengths = torch.tensor([_window_length(drafter, {k: v[0] for k, v in batch.items()}, settings,
+                                                   num_flow_steps)[0]])
+        accepted.append(lengths)
+        valid.append(batch["target_mask"][:, :depth].bool())
+        domains.append(batch["domain"] if "domain" in batch else torch.full((lengths.shape[0],), -1))
+    accepted, valid, domains = torch.cat(accepted).numpy(), torch.cat(valid).numpy(), torch.cat(domains).numpy()
+    return {**summarize(accepted, valid, depth),
+            "per_domain": {label(d): summarize(accepted[domains == d], valid[domains == d], depth)
+                           for d in sorted(set(domains.tolist()))}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -361,43 +372,41 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
     drafter = unwrap_drafter(drafter)
     drafter._require_bound()
     check_windows_fit(drafter.config, dataset)
-    drafter._check_draft_args("chain", num_tokens, 1, 1)
+    searches = _search_settings(drafter, num_tokens, tree, tree_budget)
     check_num_flow_steps(num_flow_steps)
-    if tree is not None:
-        drafter._check_draft_args("tree", 1, *_check_tree(tree), tree_budget)
     _check_max_sequences(max_sequences, "max_sequences")
     if label is None:
         names = _domain_names(dataset)
         label = (lambda d: names[d]) if names is not None else str
+    with _eval_mode(drafter):
+        return _walk(drafter, dataset, searches, max_sequences=max_sequences, num_flow_steps=num_flow_steps,
+                     seed=seed, label=label, progress=progress)
+
+
+def _walk(drafter, dataset, searches: dict[str, SearchSettings], *, max_sequences, num_flow_steps, seed, label,
+          progress) -> dict:
+    """`evaluate_walk` with its settings checked: the serving walk of every search in `searches` (by mode)."""
     walks, seq_of = sequence_walks(dataset), np.asarray(dataset.seq_of)
     if max_sequences is not None and max_sequences < len(walks):
         walks = [walks[i] for i in walk_subset(len(walks), max_sequences, seed)]
-    modes = {"chain": num_tokens} if tree is None else {"chain": num_tokens, "tree": tree[1]}
     result = {"num_sequences": len(walks)}
-    with _eval_mode(drafter):
-        for mode, depth in modes.items():
-            rounds, drafted, domains = [], [], []
-            per_sequence = {"seq": [], "rounds": [], "tokens": []}
-            for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
-                def accepted_at(i: int, idx=idx, mode=mode) -> int:
-                    w = dataset[int(idx[i])]
-                    if mode == "tree":
-                        a, d = _tree_window_length(drafter, w, tree[0], tree[1], tree_budget, num_flow_steps)
-                    else:
-                        drafts = reference_chain(drafter, w, num_tokens, num_flow_steps).cpu()[None]  # (1, k)
-                        a = int(accepted_lengths(drafts, w["target_tokens"][None], w["target_mask"][None])[0])
-                        d = drafts.shape[1]
-                    drafted.append(d)
-                    return a
+    for mode, settings in searches.items():
+        rounds, drafted, domains = [], [], []
+        per_sequence = {"seq": [], "rounds": [], "tokens": []}
+        for idx in tqdm(walks, desc=f"serving walk ({mode})", disable=not progress, unit="response"):
+            def accepted_at(i: int, idx=idx, settings=settings) -> int:
+                a, d = _window_length(drafter, dataset[int(idx[i])], settings, num_flow_steps)
+                drafted.append(d)
+                return a
 
-                visited = walk_rounds(accepted_at, len(idx))
-                first = dataset[int(idx[0])]
-                rounds += visited
-                domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
-                per_sequence["seq"].append(int(seq_of[idx[0]]))
-                per_sequence["rounds"].append(len(visited))
-                per_sequence["tokens"].append(sum(visited) + len(visited))
-            result[mode] = _walk_summary(rounds, drafted, domains, depth, per_sequence)
+            visited = walk_rounds(accepted_at, len(idx))
+            first = dataset[int(idx[0])]
+            rounds += visited
+            domains += [label(int(first["domain"])) if "domain" in first else "all"] * len(visited)
+            per_sequence["seq"].append(int(seq_of[idx[0]]))
+            per_sequence["rounds"].append(len(visited))
+            per_sequence["tokens"].append(sum(visited) + len(visited))
+        result[mode] = _walk_summary(rounds, drafted, domains, settings.depth, per_sequence)
     return result
 
 
@@ -504,6 +513,7 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
     return json_path, png_path
 
 
-__all__ = ["accepted_lengths", "draft_chains", "evaluate_offline", "evaluate_walk", "paired_walk_difference",
-           "reference_chain", "resampled_walk_taus", "sequence_walks", "summarize", "tree_accepted_length",
-           "tree_matching_path", "walk_rounds", "walk_subset", "walk_tau", "write_report"]
+__all__ = ["accepted_lengths", "draft_batch", "draft_chains", "evaluate_offline", "evaluate_walk",
+           "paired_walk_difference", "reference_chain", "resampled_walk_taus", "sequence_walks", "summarize",
+           "tree_accepted_length", "tree_accepted_lengths", "tree_matching_path", "walk_rounds", "walk_subset",
+           "walk_tau", "write_report"]

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from .settings import lookup_settings  # noqa: F401  (the rules of the `lookup_*` fields; `hf_chainflow.bench` reads
+# them from here)
+
 
 def prompt_lookup(committed: torch.LongTensor, num_tokens: int, max_ngram: int = 3,
                   min_ngram: int = 1) -> tuple[torch.LongTensor | None, int]:
@@ -54,31 +57,3 @@ def next_lookup_length(current: int, held: int, verified: int, base: int, longes
     """
     grown = 2 * current if held == verified else held + 1
     return max(base, min(grown, longest))
-
-
-def lookup_settings(g) -> dict:
-    """The lookup fields of a drafter's generation config, validated (`ValueError` naming the field)."""
-    out = {"lookup_num_tokens": getattr(g, "lookup_num_tokens", None), "lookup_ngram": getattr(g, "lookup_ngram", 3),
-           "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
-           "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
-    for name, value in out.items():
-        if value is None and name != "lookup_ngram":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`drafter.generation_config.{name}` must be a positive integer"
-                             f"{'' if name == 'lookup_ngram' else ' or None (off)'}, got {value!r}.")
-    trust = out["lookup_trust_ngram"]
-    if trust is not None and trust > out["lookup_ngram"]:
-        raise ValueError(f"`drafter.generation_config.lookup_trust_ngram` ({trust}) cannot exceed `lookup_ngram` "
-                         f"({out['lookup_ngram']}), the longest n-gram looked up.")
-    longest = out["lookup_max_tokens"]
-    if longest is not None and out["lookup_num_tokens"] is not None:
-        if longest < out["lookup_num_tokens"]:
-            raise ValueError(f"`drafter.generation_config.lookup_max_tokens` ({longest}) cannot be smaller than "
-                             f"`lookup_num_tokens` ({out['lookup_num_tokens']}); use None to keep the branch length "
-                             "fixed.")
-        if trust is None:
-            raise ValueError(f"`drafter.generation_config.lookup_max_tokens` ({longest}) needs `lookup_trust_ngram`: "
-                             "only branches verified alone grow. Set `lookup_trust_ngram` (e.g. 2) or "
-                             "`lookup_max_tokens=None`.")
-    return out

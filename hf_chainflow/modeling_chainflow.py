@@ -20,9 +20,9 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, PreTrainedMode
 from transformers.utils import ModelOutput
 
 from .configuration_chainflow import ChainFlowConfig
+from .search import candidate_search
+from .settings import SearchSettings, check_num_flow_steps
 from .tree import DraftTree
-
-DRAFT_MODES = ("chain", "tree")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -321,13 +321,6 @@ class ChainFlowPreTrainedModel(PreTrainedModel):
             module.shortlist_ids.copy_(torch.tensor(module.config.shortlist, dtype=torch.long))
 
 
-def check_num_flow_steps(value, name: str = "num_flow_steps") -> None:
-    """Euler steps of a drafting pass: None (the drafter's `config.num_flow_steps`) or a positive integer."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"`{name}` must be None (use the drafter's `config.num_flow_steps`) or a positive integer "
-                         f"(Euler steps per drafter pass), got {value!r}.")
-
-
 class ChainFlowDrafter(ChainFlowPreTrainedModel):
     """ChainFlow drafter (arXiv 2611.08669). Borrows the target's frozen `lm_head` and embeddings via
     [`~ChainFlowDrafter.bind_target`]; they are never owned or saved.
@@ -611,17 +604,6 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             self._serving_feedback_cache = (key, (fused, bias))
         return self._serving_feedback_cache[1]
 
-    def _serving_feedback_logits(self, state, parents, fused, bias):
-        """The feedback terms of Eq. 3 with the folded heads: `state` `(D,)`, `parents` `(n, p)` -> `(n, S)`."""
-        n = parents.shape[0]
-        feats = []
-        if self.path_head is not None:
-            feats.append(self.path_head.hidden(self._embed(parents), state.expand(n, -1)))  # (n, R)
-        if self.markov_head is not None:
-            feats.append(self.markov_head.u1(self._token_to_draft_index(parents[:, -1])))  # (n, r)
-        x = torch.cat(feats, -1).to(fused.dtype)  # (n, R + r)
-        return F.linear(x, fused).float() + bias  # (n, S)
-
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
         if self.config.shortlist is None:
@@ -843,23 +825,6 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         )
 
     # ------------------------------------------------------------------ serving
-    def _check_draft_args(self, mode, num_tokens, tree_width, tree_depth, tree_budget=None):
-        K = self.config.num_draft_positions
-        if mode not in DRAFT_MODES:
-            raise ValueError(f"`draft_mode` must be one of {DRAFT_MODES}, got {mode!r}.")
-        depth = num_tokens if mode == "chain" else tree_depth
-        name = "num_assistant_tokens" if mode == "chain" else "tree_depth"
-        if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= K:
-            raise ValueError(
-                f"`{name}` must be an integer in [1, {K}] (the drafter predicts K={K} positions per pass), got {depth!r}."
-            )
-        if mode == "tree" and (not isinstance(tree_width, int) or isinstance(tree_width, bool) or tree_width < 1):
-            raise ValueError(f"`tree_width` must be a positive integer, got {tree_width!r}.")
-        if mode == "tree" and tree_budget is not None and (
-                not isinstance(tree_budget, int) or isinstance(tree_budget, bool) or tree_budget < 1):
-            raise ValueError(f"`tree_budget` must be None (keep every node) or a positive integer, got "
-                             f"{tree_budget!r}.")
-
     @torch.no_grad()
     def draft(
         self,
@@ -875,7 +840,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         do_sample: bool = False,
         temperature: float = 1.0,
     ) -> DraftTree:
-        """One drafting round (batch size 1): one drafter pass, then candidate search.
+        """One drafting round (batch size 1): one drafter pass, then candidate search (`hf_chainflow.search`).
 
         Args:
             hidden_states (`(1, T, D)`): the target's last states `h_{..t}` (the last `C` are used).
@@ -886,7 +851,9 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 the per-position distributions in `DraftTree.draft_probs`.
         """
         self._require_bound()
-        self._check_draft_args(mode, num_tokens, tree_width, tree_depth, tree_budget)
+        settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
+                                  tree_budget=tree_budget, do_sample=do_sample, temperature=temperature,
+                                  max_depth=self.max_draft_depth)
         D = self.config.target_hidden_size
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[0] != 1 \
                 or hidden_states.shape[1] < 1 or hidden_states.shape[2] != D:
@@ -898,99 +865,18 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
             raise ValueError(f"`input_ids` must be the committed token ids of shape (1, L) with L >= 1 (batch size "
                              f"1; the last id is the bonus token), got {shape}; e.g. `ids[None]` for a 1-D `ids`.")
-        if do_sample and not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-                              and math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"`temperature` must be a positive finite number when `do_sample=True`, got "
-                             f"{temperature!r}.")
         states = self.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (1, K, D)
-        return self.search(states[0], input_ids[0], mode=mode, num_tokens=num_tokens, tree_width=tree_width,
-                           tree_depth=tree_depth, tree_budget=tree_budget, do_sample=do_sample,
-                           temperature=temperature)
-
-    def _candidates(self, states, weight):
-        """Two-pass head, pass 1: candidate rows `(M,)` of the draft vocabulary shared by the drafted positions
-        `states` `(d, D)`, and their head logits `(d, M)` (`None` rows: every row is a candidate)."""
-        scores = F.linear(states.to(weight.dtype), weight).float()  # (d, S)
-        M = self.config.candidate_budget
-        if weight.shape[0] <= M:
-            return None, scores
-        rows = scores.max(0).values.topk(M).indices  # (M,)
-        return rows, scores.index_select(1, rows)  # (M,), (d, M)
+        return candidate_search(self, states, input_ids, settings).tree(0)
 
     @torch.no_grad()
     def search(self, states, committed, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
                tree_budget=None, do_sample=False, temperature=1.0) -> DraftTree:
-        """Candidate search over predicted states `(K, D)` given committed tokens `(L,)` (last = root)."""
-        self._check_draft_args(mode, num_tokens, tree_width, tree_depth, tree_budget)
-        if mode == "tree" and do_sample:
-            raise ValueError("`do_sample=True` draws chains only: a tree keeps the `tree_width` best tokens per beam. "
-                             "Draft the tree with `do_sample=False`; `generate(do_sample=True)` samples over it "
-                             "losslessly (`accept_sampling_tree`).")
-        p = self.config.path_order
-        depth_needed = num_tokens if mode == "chain" else tree_depth
-        full = self.serving_head_weight()  # (S, D)
-        rows, head = self._candidates(states[:depth_needed], full)  # rows (M,) | None, head (d, M)
-        folded = self.serving_feedback_weight()  # (S, R + r), (S,) | None
-        if folded is not None:
-            fused, fused_bias = folded  # (S, R + r), (S,): scored whole, then restricted to the rows (cheaper
-            # on CPU than gathering M rows of the matrix every round)
-        else:
-            weight = full if rows is None else full[rows]  # (M, D)
-            markov_u2 = None
-            if self.markov_head is not None and rows is not None:
-                markov_u2 = self.markov_head.u2[rows]  # (M, r), gathered once per round
-        pad = self.config.pad_token_id or 0
-        tail = committed[-p:]
-        if tail.shape[0] < p:
-            tail = torch.cat([tail.new_full((p - tail.shape[0],), pad), tail])
-        width, branching, depth = (1, 1, num_tokens) if mode == "chain" else (
-            tree_width, min(self.config.tree_branching, tree_width), tree_depth)
-
-        # Beam state: parents window (n, p), cumulative logprob (n,), node index (n,) (-1 = root).
-        beams = tail[None]  # (1, p)
-        beam_score = states.new_zeros(1)
-        beam_node = torch.full((1,), -1, dtype=torch.long, device=states.device)
-        tokens, parents, depths, logps, qs = [], [], [], [], []
-        n_nodes = 0
-        for d in range(depth):
-            if folded is not None:
-                logits = self._serving_feedback_logits(states[d], beams, fused, fused_bias)  # (n, S)
-                if rows is not None:
-                    logits = logits.index_select(1, rows)  # (n, M)
-                logits = logits + head[d]  # (n, M)
-            else:
-                logits = self.feedback_logits(states[d].expand(beams.shape[0], -1), beams, weight, markov_u2,
-                                              head_logits=head[d].expand(beams.shape[0], -1))  # (n, M)
-            if do_sample:
-                q = torch.softmax(logits.float() / temperature, -1)  # (1, M)
-                choice = torch.multinomial(q, 1)  # (1, 1)
-                logp = q.gather(1, choice).log()
-                qs.append(q[0])
-            else:
-                logp_all = torch.log_softmax(logits.float(), -1)
-                logp, choice = logp_all.topk(branching, -1)  # (n, b)
-            cum = (beam_score[:, None] + logp).reshape(-1)  # (n*b,)
-            keep = cum.topk(min(width, cum.shape[0])).indices  # (w,)
-            src = keep // choice.shape[1]
-            idx = choice.reshape(-1)[keep]
-            tok = self._draft_index_to_token(idx if rows is None else rows[idx])  # (w,) vocab ids
-            tokens.append(tok)
-            parents.append(beam_node[src])
-            depths.append(torch.full_like(tok, d + 1))
-            logps.append(logp.reshape(-1)[keep])
-            beam_node = torch.arange(n_nodes, n_nodes + tok.shape[0], device=tok.device)
-            n_nodes += tok.shape[0]
-            beams = torch.cat([beams[src, 1:], tok[:, None]], 1)  # (w, p)
-            beam_score = cum[keep]
-        draft_probs = None
-        if do_sample:
-            V = self.config.vocab_size
-            q_rows = torch.stack(qs)  # (n, M or S)
-            ids = self._draft_index_to_token(rows if rows is not None else torch.arange(q_rows.shape[1], device=q_rows.device))
-            draft_probs = q_rows.new_zeros(q_rows.shape[0], V).index_copy_(1, ids, q_rows)  # (n, V)
-        tree = DraftTree(tokens=torch.cat(tokens), parents=torch.cat(parents), depths=torch.cat(depths),
-                         logprobs=torch.cat(logps), draft_probs=draft_probs)
-        return tree.top_nodes(tree_budget) if mode == "tree" and tree_budget is not None else tree
+        """Candidate search alone over predicted states `(K, D)` given committed tokens `(L,)` (last = root); the
+        arguments are `draft`'s."""
+        settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
+                                  tree_budget=tree_budget, do_sample=do_sample, temperature=temperature,
+                                  max_depth=self.max_draft_depth)
+        return candidate_search(self, states[None], committed[None], settings).tree(0)
 
     # ------------------------------------------------------------------ save / load
     @classmethod

@@ -85,26 +85,22 @@ class DraftTree:
 
     def _take(self, index: torch.LongTensor) -> "DraftTree":
         """The nodes `index` `(m,)` (every kept node's parent kept, parents listed first), parents renumbered."""
-        remap = torch.full((self.num_nodes,), -1, dtype=torch.long, device=self.parents.device)
-        remap[index] = torch.arange(index.numel(), device=index.device)
-        parents = self.parents[index]
-        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)  # (m,)
-        return DraftTree(tokens=self.tokens[index], parents=parents, depths=self.depths[index],
-                         logprobs=self.logprobs[index],
+        return DraftTree(tokens=self.tokens[index], parents=take_parents(self.parents[None], index[None])[0],
+                         depths=self.depths[index], logprobs=self.logprobs[index],
                          draft_probs=None if self.draft_probs is None else self.draft_probs[index])
 
     def top_nodes(self, budget: int) -> "DraftTree":
         """The subtree of the `budget` nodes with the highest path log-probability (EAGLE-2-style reranking).
 
-        Ranks by `cumulative_logprobs()`, ties by breadth-first index: a parent's path probability is at least its
-        child's and its index is lower, so every kept node's ancestors are kept. Order stays breadth-first.
+        Ranks by `cumulative_logprobs()`, ties by breadth-first index (`keep_most_probable`): a parent's path
+        probability is at least its child's and its index is lower, so every kept node's ancestors are kept. Order
+        stays breadth-first.
         """
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
             raise ValueError(f"`budget` must be a positive integer, got {budget!r}.")
         if budget >= self.num_nodes:
             return self
-        order = torch.sort(self.cumulative_logprobs(), descending=True, stable=True).indices  # (N,)
-        return self._take(order[:budget].sort().values)  # breadth-first
+        return self._take(keep_most_probable(self.cumulative_logprobs()[None], budget)[0])
 
     def with_chain(self, tokens: torch.LongTensor) -> "DraftTree":
         """This tree plus the root-to-leaf branch `tokens` `(k,)`: follows existing nodes while they match, then
@@ -148,3 +144,19 @@ class DraftTree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+def keep_most_probable(cumulative: torch.Tensor, budget: int) -> torch.LongTensor:
+    """Per row of `cumulative` `(B, N)` (path log-probabilities, breadth-first), the indices `(B, budget)` of the
+    `budget` highest, ties broken by the lower index, in breadth-first order."""
+    order = torch.sort(cumulative, dim=-1, descending=True, stable=True).indices  # (B, N)
+    return order[:, :budget].sort(dim=-1).values
+
+
+def take_parents(parents: torch.LongTensor, index: torch.LongTensor) -> torch.LongTensor:
+    """The parents `(B, m)` of the nodes `index` `(B, m)` of trees with parents `(B, N)`, renumbered into the kept
+    nodes (every kept node's parent is kept; `-1`, the root, stays)."""
+    B, m = index.shape
+    remap = torch.full_like(parents, -1).scatter_(1, index, torch.arange(m, device=index.device).expand(B, m))
+    kept = parents.gather(1, index)  # (B, m)
+    return torch.where(kept >= 0, remap.gather(1, kept.clamp(min=0)), kept)

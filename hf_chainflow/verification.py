@@ -57,6 +57,7 @@ from .hybrid import (
     is_hybrid_target,
     prepare_hybrid_target,
 )
+from .settings import SUPPORTED_ATTN_IMPLEMENTATIONS
 from .tree import DraftTree
 
 __all__ = [
@@ -73,8 +74,6 @@ __all__ = [
     "accept_sampling_tree",
     "commit",
 ]
-
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_datasets_loads_every_row_of_the_folder(tmp_path, model, tok):
 def test_two_processes_split_the_prompts(tmp_path, saved_target):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in _prompts(14)))
-    args = [sys.executable, "-m", "hf_chainflow.cli", "generate-responses", "--target", str(saved_target),
+    args = [sys.executable, "-m", "hf_chainflow.commands", "generate-responses", "--target", str(saved_target),
             "--prompts", str(prompts), "--corpus", str(tmp_path / "c"), "--max-new-tokens", str(NEW),
             "--dtype", "float32", "--threads", "1", "--batch-size", "4", "--shard-size", "3"]
     ResponseCorpus.create(tmp_path / "c", target=str(saved_target), tokenizer=load_tokenizer())  # no create race
@@ -209,7 +209,7 @@ def test_cache_from_the_corpus_equals_the_cache_from_jsonl(tmp_path, model, tok)
 
 
 def test_training_data_never_holds_the_heldout_split(tmp_path, saved_target, tok, model):
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     corpus = ResponseCorpus.create(tmp_path / "c", target="tiny", tokenizer=tok)
     _generate(model, tok, corpus, _prompts(8))
@@ -250,3 +250,30 @@ def test_cache_of_chosen_target_layers(tmp_path, model, tok):
     assert not (tmp_path / "bad").exists()
     with pytest.raises(ValueError, match="prepared from other inputs or settings"):
         prepare(model, tok, tmp_path / "final", responses=responses, shard_size=4, progress=False, target_layers=[0])
+
+
+def test_push_to_hub_uploads_the_folder_without_pending_rows(tmp_path, model, tok, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:  # records the calls instead of reaching the Hub
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw))
+            return "url"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    corpus = ResponseCorpus.create(tmp_path / "c", target="tiny", tokenizer=tok)
+    _generate(model, tok, corpus, _prompts(7), max_prompts=4)  # pending rows only
+    assert corpus.pending(0)
+    assert corpus.push_to_hub("me/responses", private=True) == "url"
+    (_, token), (_, repo, create), (_, upload) = calls
+    assert repo == "me/responses" and create == {"repo_type": "dataset", "private": True, "exist_ok": True}
+    assert upload["repo_type"] == "dataset" and upload["folder_path"] == str(corpus.path)
+    assert ".pending/*" in upload["ignore_patterns"] and (corpus.path / "README.md").is_file()

@@ -10,6 +10,7 @@ import torch
 from hf_chainflow import ChainFlowDrafter, DraftTree
 from hf_chainflow.evaluation import (
     accepted_lengths,
+    draft_batch,
     draft_chains,
     evaluate_offline,
     evaluate_walk,
@@ -17,11 +18,15 @@ from hf_chainflow.evaluation import (
     resampled_walk_taus,
     reference_chain,
     sequence_walks,
+    strict_json,
     summarize,
     tree_accepted_length,
+    tree_accepted_lengths,
     tree_matching_path,
     walk_rounds,
 )
+from hf_chainflow.search import DraftBatch
+from hf_chainflow.settings import SearchSettings
 from hf_chainflow.testing import tiny_target
 
 from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
@@ -63,6 +68,15 @@ def test_tree_accepts_the_longest_matching_root_path():
     assert tree_accepted_length(tree, torch.tensor([7, 5, 6, 7]), ones) == 0
     assert tree_matching_path(tree, torch.tensor([6, 8, 9, 1]), ones) == [1, 3, 4]
     assert tree_matching_path(tree, torch.tensor([7, 5, 6, 7]), ones) == []
+    # the batched count agrees, window by window, with the per-tree one (a chain is a tree too)
+    targets = torch.tensor([[6, 8, 9, 1], [6, 8, 9, 1], [5, 8, 9, 1], [7, 5, 6, 7], [5, 7, 1, 1]])
+    masks = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]).bool()
+    batch = DraftBatch(**{k: getattr(tree, k).expand(5, -1) for k in ("tokens", "parents", "depths", "logprobs")})
+    assert tree_accepted_lengths(batch, targets, masks).tolist() == [3, 2, 1, 0, 2]
+    chain = DraftTree.chain(torch.tensor([5, 7, 1]))
+    chains = DraftBatch(**{k: getattr(chain, k).expand(5, -1) for k in ("tokens", "parents", "depths", "logprobs")})
+    assert tree_accepted_lengths(chains, targets, masks).tolist() == accepted_lengths(
+        chains.tokens, targets, masks).tolist() == [0, 0, 1, 0, 3]
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +104,36 @@ def test_batched_chains_equal_the_serving_call(setup, budget):
     drafter.config.candidate_budget = 8192
 
 
+@pytest.mark.parametrize("budget", [None, 5])
+def test_batched_trees_equal_the_serving_call(setup, budget):
+    """The batched tree evaluation drafts each window's serving tree: the same nodes, the same accepted length."""
+    target, windows, drafter = setup
+    drafter.config.candidate_budget = 24
+    try:
+        batch = {k: torch.stack([w[k] for w in windows]) for k in windows[0]}
+        settings = SearchSettings(mode="tree", tree_width=4, tree_depth=3, tree_budget=budget, max_depth=8)
+        drafts = draft_batch(drafter, batch["context_states"], batch["context_mask"], batch["prev_tokens"][:, :8],
+                             settings)
+        lengths = tree_accepted_lengths(drafts, batch["target_tokens"], batch["target_mask"])
+        for i, w in enumerate(windows):
+            states = w["context_states"][w["context_mask"]][None]
+            serving = drafter.draft(states, w["prev_tokens"][None, :8], **settings.draft_kwargs())
+            assert torch.equal(drafts.tree(i).tokens, serving.tokens), i
+            assert torch.equal(drafts.tree(i).parents, serving.parents), i
+            assert int(lengths[i]) == tree_accepted_length(serving, w["target_tokens"], w["target_mask"]), i
+        assert drafts.tokens.shape == (len(windows), 12 if budget is None else budget)
+        assert 0 < int(lengths.sum()) and len(set(lengths.tolist())) > 1  # windows accept different lengths
+    finally:
+        drafter.config.candidate_budget = 8192
+
+
 def test_evaluate_offline_reports_and_paths_agree(setup, tmp_path):
     target, windows, drafter = setup
     fast = evaluate_offline(drafter, windows, num_tokens=3, batch_size=16, tree=(4, 3), output_dir=tmp_path,
                             progress=False)
-    slow = evaluate_offline(drafter, windows, num_tokens=3, batched=False, progress=False)
+    slow = evaluate_offline(drafter, windows, num_tokens=3, tree=(4, 3), batched=False, progress=False)
     assert fast["tau"] == slow["tau"] and fast["acceptance"] == pytest.approx(slow["acceptance"], nan_ok=True)
+    assert strict_json(fast["tree"]) == strict_json(slow["tree"])  # trees too: batched drafts are the serving call's
     assert fast["num_windows"] == len(windows) and set(fast["per_domain"]) == {"0", "1"}
     assert sum(d["num_windows"] for d in fast["per_domain"].values()) == len(windows)
     assert 1.0 <= fast["tau"] <= 4.0 and fast["tree"]["shape"] == [4, 3] and 1.0 <= fast["tree"]["tau"] <= 4.0
@@ -111,8 +149,11 @@ def test_a_drafter_that_copies_the_truth_reaches_full_acceptance(setup, monkeypa
     target, windows, drafter = setup
     import hf_chainflow.evaluation as ev
 
-    truth = iter([torch.stack([w["target_tokens"][:3] for w in windows])])
-    monkeypatch.setattr(ev, "draft_chains", lambda *a, **k: next(truth))
+    tokens = torch.stack([w["target_tokens"][:3] for w in windows])  # (B, 3)
+    chain = dict(parents=torch.arange(-1, 2).expand_as(tokens), depths=torch.arange(1, 4).expand_as(tokens),
+                 logprobs=torch.zeros(tokens.shape))
+    truth = iter([ev.DraftBatch(tokens=tokens, **chain)])
+    monkeypatch.setattr(ev, "draft_batch", lambda *a, **k: next(truth))
     out = evaluate_offline(drafter, windows, num_tokens=3, batch_size=len(windows), progress=False)
     valid = np.stack([w["target_mask"][:3].numpy() for w in windows])
     assert out["tau"] == pytest.approx(1 + valid.sum(1).mean())
@@ -272,12 +313,12 @@ def test_a_failing_evaluation_gives_the_drafter_back_in_its_training_mode(setup,
 
 
 def test_walk_comparison_scripts_print_differences_and_intervals(tmp_path):
-    """`examples/compare_walks.py` and `examples/compare_walk_gains.py` on three stages' walk records."""
+    """`docs/research/scripts/compare_walks.py` and `compare_walk_gains.py` on three stages' walk records."""
     import subprocess
     import sys
     from pathlib import Path
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[1] / "docs" / "research" / "scripts"
     rounds = [10, 12, 8, 20]
     files = []
     for name, extra in (("a", 0), ("b", 2), ("c", 3)):  # tokens per response: 2 * rounds + extra

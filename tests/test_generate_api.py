@@ -456,6 +456,47 @@ def test_unsupported_attention_in_own_loop():
 
 
 # ---------------------------------------------------------------------------------------------- untouched
+# transformers' signatures the `generate` hook binds its arguments against (transformers 5.24): name, kind, default
+# (`...`: none). The hook passes every argument on by these names; a change in transformers fails here first.
+GENERATE_PARAMETERS = [
+    ("self", "POSITIONAL_OR_KEYWORD", ...), ("inputs", "POSITIONAL_OR_KEYWORD", None),
+    ("generation_config", "POSITIONAL_OR_KEYWORD", None), ("logits_processor", "POSITIONAL_OR_KEYWORD", None),
+    ("stopping_criteria", "POSITIONAL_OR_KEYWORD", None), ("prefix_allowed_tokens_fn", "POSITIONAL_OR_KEYWORD", None),
+    ("synced_gpus", "POSITIONAL_OR_KEYWORD", None), ("assistant_model", "POSITIONAL_OR_KEYWORD", None),
+    ("streamer", "POSITIONAL_OR_KEYWORD", None), ("negative_prompt_ids", "POSITIONAL_OR_KEYWORD", None),
+    ("negative_prompt_attention_mask", "POSITIONAL_OR_KEYWORD", None), ("custom_generate", "POSITIONAL_OR_KEYWORD", None),
+    ("kwargs", "VAR_KEYWORD", ...),
+]
+GET_CANDIDATE_GENERATOR_PARAMETERS = [
+    ("self", "POSITIONAL_OR_KEYWORD", ...), ("generation_config", "POSITIONAL_OR_KEYWORD", ...),
+    ("input_ids", "POSITIONAL_OR_KEYWORD", ...), ("inputs_tensor", "POSITIONAL_OR_KEYWORD", ...),
+    ("logits_processor", "POSITIONAL_OR_KEYWORD", ...), ("model_kwargs", "POSITIONAL_OR_KEYWORD", ...),
+    ("assistant_model", "POSITIONAL_OR_KEYWORD", None), ("target_tokenizer", "POSITIONAL_OR_KEYWORD", None),
+    ("assistant_tokenizer", "POSITIONAL_OR_KEYWORD", None),
+]
+
+
+def _parameters(fn):
+    import inspect
+
+    return [(p.name, p.kind.name, ... if p.default is inspect.Parameter.empty else p.default)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def test_transformers_generate_signature_is_the_one_the_hook_was_written_against():
+    integration = hf_chainflow.integration
+    assert _parameters(integration._original_generate) == GENERATE_PARAMETERS, (
+        "transformers' `GenerationMixin.generate` signature changed: check what hf_chainflow.integration._generate "
+        "reads and passes on, then update GENERATE_PARAMETERS")
+    assert _parameters(integration._original_get_candidate_generator) == GET_CANDIDATE_GENERATOR_PARAMETERS, (
+        "transformers' `GenerationMixin._get_candidate_generator` signature changed: check "
+        "hf_chainflow.integration._get_candidate_generator, then update GET_CANDIDATE_GENERATOR_PARAMETERS")
+    # the wrappers show (and bind against) transformers' own signatures
+    assert _parameters(GenerationMixin.generate) == GENERATE_PARAMETERS
+    assert _parameters(GenerationMixin._get_candidate_generator) == GET_CANDIDATE_GENERATOR_PARAMETERS
+    assert set(integration._GENERATE_PARAMETERS_USED) <= {name for name, _, _ in GENERATE_PARAMETERS}
+
+
 def test_other_generate_calls_are_untouched(llama):
     assert getattr(GenerationMixin.generate, "_chainflow", False)
     ref = hf_chainflow.integration._original_generate(llama, PROMPT, max_new_tokens=10, do_sample=False)
