@@ -230,8 +230,9 @@ def _start_trace(worker):
 
 
 def _read_trace(worker):
+    """The trace as plain lists (vLLM's result encoding does not keep numpy arrays) and the counters."""
     drafter = worker.model_runner.drafter
-    return drafter.trace, dict(drafter.stats)
+    return [(b.tolist(), s.tolist(), c) for b, s, c in drafter.trace], dict(drafter.stats)
 
 
 @needs_vllm
@@ -253,8 +254,9 @@ def test_vllm_proposer_drafts_from_the_targets_own_final_states(vllm_run):
     assert stats["short_context"] == 0  # every prompt's states were carried across its prefill chunks
     model, _ = load_target()
     for before, states, _chain in trace[:: max(1, len(trace) // 12)]:
+        before, states = np.asarray(before, dtype=np.int64), np.asarray(states, dtype=np.float32)
         with torch.no_grad():
-            h = model(torch.from_numpy(before[None].astype(np.int64)), output_hidden_states=True).hidden_states[-1][0]
+            h = model(torch.from_numpy(before[None]), output_hidden_states=True).hidden_states[-1][0]
         reference = h[-states.shape[0]:].numpy()
         assert states.shape[0] == min(8, len(before))
         assert np.abs(states - reference).max() <= 1e-3 * np.abs(reference).max()

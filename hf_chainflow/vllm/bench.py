@@ -85,9 +85,12 @@ def speculative_for(arm: VllmArm, *, drafter_path: str | None, ngram_tokens: int
 def prepare_environment() -> None:
     """vLLM's CPU settings for the engine processes: 1 GiB of KV cache unless `VLLM_CPU_KVCACHE_SPACE` says
     otherwise, the bundled `libiomp5.so` preloaded (the engine's worker warns of a large slowdown without it),
-    offline Hub. The engine's processes are spawned, so they see these even when set here."""
+    offline Hub, pickled `collective_rpc` calls allowed (local processes only). The engine's processes are spawned, so they see these even when set here."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # `llm.collective_rpc(function)` (reading the proposer's counters in the engine's worker) pickles the function
+    # between this process and the engine processes it spawned; vLLM refuses that unless told.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if "LD_PRELOAD" not in os.environ and iomp.is_file():
         os.environ["LD_PRELOAD"] = str(iomp)
