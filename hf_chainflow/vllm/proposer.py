@@ -14,8 +14,9 @@ EAGLE-family proposers. They are taken from the target's own forward, with no se
     load_model   a forward hook on the target module: its output is the final (normed) hidden states `(N, D)`
                  vLLM passes to `compute_logits`; the attention metadata of the same forward
                  (`vllm.forward_context`) gives each request's rows (`query_start_loc`) and positions (`seq_lens`)
-    propose      per request: rows of committed tokens (all but the bonus) -> context store -> last `C` states
-                 -> `drafter.draft(mode="chain")` -> the chain's tokens
+    propose      per request: rows of committed tokens (all but the bonus) -> context store -> last `C` states;
+                 then one batched drafter pass for all requests with the same chain length and context length
+                 (`predict_states` + the chain search of `drafter.draft(mode="chain")`) -> each chain's tokens
 
 The context store keys a request's last `C` states by a digest of the committed tokens they follow from, so a
 request is found again in the next step whatever vLLM did to the batch order (finished requests are condensed
@@ -32,6 +33,9 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from hf_chainflow.search import candidate_search, committed_tails
+from hf_chainflow.settings import SearchSettings
 
 from .settings import SETTINGS_KEY, check_settings
 
@@ -217,15 +221,27 @@ class ChainFlowProposer:
                 "metadata). It needs vLLM's V1 model runner calling the target module it was given in "
                 "`load_model`.")
         start = time.perf_counter()
-        drafts = [self._propose_one(capture, i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu[i])
-                  for i, sampled in enumerate(sampled_token_ids)]
+        drafts: list[list[int] | None] = []
+        pending: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # (room, T) -> requests
+        for i, sampled in enumerate(sampled_token_ids):
+            chain, wanted = self._prepare_one(capture, i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu[i])
+            drafts.append(chain)
+            if wanted is not None:
+                states, tokens, room = wanted
+                pending.setdefault((room, states.shape[0]), []).append((i, states, tokens))
+        for (room, _), group in pending.items():  # one drafter pass per chain length and context length
+            for (i, states, tokens), chain in zip(group, self._draft_batch(group, room)):
+                drafts[i] = chain
+                self._record(token_ids_cpu[i][:tokens.shape[0] - 1], states, chain)
         self.stats["steps"] += 1
         self.stats["seconds"] += time.perf_counter() - start
         return drafts
 
     # ---------------------------------------------------------------------------------------------- one request
-    def _propose_one(self, capture: _Capture, i: int, sampled: list[int], committed: int,
-                     token_row: np.ndarray) -> list[int]:
+    def _prepare_one(self, capture: _Capture, i: int, sampled: list[int], committed: int, token_row: np.ndarray
+                     ) -> tuple[list[int] | None, tuple[torch.Tensor, torch.Tensor, int] | None]:
+        """Store request `i`'s new committed states; return its draft when it needs no drafter pass (`[]`, or a
+        prompt-lookup match) or `(None, (context states (T<=C, D), committed tokens (L,), room))`."""
         q0, q1 = int(capture.query_start_loc[i]), int(capture.query_start_loc[i + 1])
         rows = q1 - q0
         start = int(capture.seq_lens[i]) - rows  # position of this step's first row
@@ -247,25 +263,47 @@ class ChainFlowProposer:
         if valid:
             self.store.put(token_row[:end], states)
         if not sampled:
-            return []
+            return [], None
         if states.shape[0] < min(self.context_size, end):
             self.stats["short_context"] += 1
         room = min(self.num_tokens, self.max_model_len - committed)
         if room < 1:
-            return []
+            return [], None
         tokens = torch.from_numpy(np.ascontiguousarray(token_row[:committed], dtype=np.int64)).to(self.device)
-        chain = self._lookup(tokens, room) if self.settings.lookup_trust_ngram is not None else None
-        if chain is not None:
-            self.stats["lookup_drafts"] += 1
-        else:
-            tree = self.drafter.draft(states[None].to(self.device), tokens[None], mode="chain", num_tokens=room,
-                                      num_flow_steps=self.num_flow_steps)
-            chain = tree.tokens.tolist()
+        if self.settings.lookup_trust_ngram is not None:
+            chain = self._lookup(tokens, room)
+            if chain is not None:
+                self.stats["lookup_drafts"] += 1
+                self._count(chain)
+                self._record(token_row[:end], states, chain)
+                return chain, None
+        return None, (states, tokens, room)
+
+    @torch.no_grad()
+    def _draft_batch(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], room: int) -> list[list[int]]:
+        """One drafter pass for requests with the same chain length and context length: their context states
+        `(B, T, D)` -> predicted states `(B, K, D)` -> one chain of `room` tokens each (`drafter.draft`'s steps,
+        batched)."""
+        states = torch.stack([g[1] for g in group]).to(self.device)  # (B, T, D)
+        p = self.drafter.config.path_order
+        tails = torch.stack([committed_tails(g[2][None], p, self.drafter.config.pad_token_id or 0)[0]
+                             for g in group])  # (B, p): all the chain search reads of the committed tokens
+        settings = SearchSettings(mode="chain", num_tokens=room, max_depth=self.drafter.max_draft_depth)
+        predicted = self.drafter.predict_states(states, num_flow_steps=self.num_flow_steps)  # (B, K, D)
+        batch = candidate_search(self.drafter, predicted, tails, settings)
+        chains = [batch.tree(j).tokens.tolist() for j in range(len(group))]
+        for chain in chains:
+            self._count(chain)
+        return chains
+
+    def _count(self, chain: list[int]) -> None:
         self.stats["drafts"] += 1
         self.stats["draft_tokens"] += len(chain)
+
+    def _record(self, before: np.ndarray, states: torch.Tensor, chain: list[int]) -> None:
+        """Trace one draft: the committed tokens the states follow (all but the bonus), the states, the chain."""
         if self.trace is not None:
-            self.trace.append((token_row[:end].copy(), states.float().cpu().numpy(), list(chain)))
-        return chain
+            self.trace.append((before.copy(), states.float().cpu().numpy(), list(chain)))
 
     def _lookup(self, tokens: torch.Tensor, room: int) -> list[int] | None:
         """The continuation of the last `lookup_trust_ngram..lookup_ngram` tokens at their latest earlier
