@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, PreTrainedMode
 from transformers.utils import ModelOutput
 
 from .configuration_chainflow import ChainFlowConfig
-from .search import candidate_search
+from .search import ServingTables, candidate_search
 from .settings import SearchSettings, check_num_flow_steps
 from .tree import DraftTree
 
@@ -603,6 +603,19 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 fused = torch.cat(blocks, 1).to(dtype).contiguous()  # (S, R + r)
             self._serving_feedback_cache = (key, (fused, bias))
         return self._serving_feedback_cache[1]
+
+    def serving_tables(self) -> ServingTables:
+        """The tensors one search reads besides the layers (`hf_chainflow.search.ServingTables`), from the caches
+        above; gathered once per round, outside the (compiled) drafting round."""
+        self._require_bound()
+        embed = self._bound["embed"].weight.detach()
+        if self.config.shortlist is None:
+            to_draft = to_token = None
+        else:
+            to_draft = self._token_to_draft_index(self.shortlist_ids[:0])  # builds the lookup table
+            to_draft, to_token = self._lut, self.shortlist_ids.to(embed.device)
+        return ServingTables(head=self.serving_head_weight(), folded=self.serving_feedback_weight(), embed=embed,
+                             to_draft=to_draft, to_token=to_token, dtype=self.dtype)
 
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
