@@ -11,7 +11,6 @@ log-probability gap among identical drafts and the per-round times of both, inte
 """
 
 import argparse
-import json
 import statistics
 import time
 
@@ -46,7 +45,7 @@ def main():
     rows = ResponseCorpus("corpus/smollm2-135m-instruct").responses("heldout")
     with torch.inference_mode():
         for row in rows.values():
-            ids = torch.tensor([json.loads(row["prompt_ids"]) + json.loads(row["response_ids"])])
+            ids = torch.tensor([list(row["prompt_ids"]) + list(row["response_ids"])])
             h = target(input_ids=ids, output_hidden_states=True).hidden_states[-1]  # (1, L, D)
             for t in range(C - 1, ids.shape[1] - 1):
                 states, committed = h[:, t - C + 1: t + 1], ids[:, : t + 2]

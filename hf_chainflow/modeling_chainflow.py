@@ -614,8 +614,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if self.config.shortlist is None:
             to_draft = to_token = None
         else:
-            to_draft = self._token_to_draft_index(self.shortlist_ids[:0])  # builds the lookup table
-            to_draft, to_token = self._lut, self.shortlist_ids.to(embed.device)
+            to_draft, to_token = self._draft_index_lut(embed.device), self.shortlist_ids.to(embed.device)
         return ServingTables(head=self.serving_head_weight(), folded=self.serving_feedback_weight(), embed=embed,
                              to_draft=to_draft, to_token=to_token, dtype=self.dtype)
 
@@ -623,12 +622,16 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
         if self.config.shortlist is None:
             return tokens
+        return self._draft_index_lut(tokens.device)[tokens]
+
+    def _draft_index_lut(self, device) -> torch.Tensor:
+        """`(V,)` vocabulary id -> draft index (`S` outside the shortlist), cached per device."""
         lut = getattr(self, "_lut", None)
-        if lut is None or lut.device != tokens.device:
-            lut = torch.full((self.config.vocab_size,), self.draft_vocab_size, dtype=torch.long, device=tokens.device)
-            lut[self.shortlist_ids.to(tokens.device)] = torch.arange(self.draft_vocab_size, device=tokens.device)
+        if lut is None or lut.device != device:
+            lut = torch.full((self.config.vocab_size,), self.draft_vocab_size, dtype=torch.long, device=device)
+            lut[self.shortlist_ids.to(device)] = torch.arange(self.draft_vocab_size, device=device)
             self._lut = lut
-        return lut[tokens]
+        return lut
 
     def _draft_index_to_token(self, index: torch.Tensor) -> torch.Tensor:
         if self.config.shortlist is None:
