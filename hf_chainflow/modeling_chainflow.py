@@ -896,8 +896,10 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if compile and not do_sample and hidden_states.shape[1] >= C:
             if getattr(self, "_compiled_round", None) is None:
                 self._compiled_round = CompiledDraftingRound()
-            out = self._compiled_round(self, self.serving_tables(), hidden_states[:, -C:], tails, settings,
-                                       num_flow_steps)
+            # contiguous: a view's strides are guards of the compiled graph (a window of a longer buffer would
+            # recompile on every new buffer length)
+            out = self._compiled_round(self, self.serving_tables(), hidden_states[:, -C:].contiguous(), tails,
+                                       settings, num_flow_steps)
         else:
             out = drafting_round(self, self.serving_tables(), hidden_states, tails, settings, num_flow_steps)
         return DraftBatch(*out).tree(0)
