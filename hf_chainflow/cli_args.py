@@ -1,7 +1,8 @@
 """Argument types and up-front checks shared by the `hf-chainflow` subcommands.
 
-Each check raises `ValueError` naming the option, the value received, the rule and the fix; `hf_chainflow.cli.main`
-prints such errors as `hf-chainflow <command>: error: <message>` (exit status 1) instead of a traceback.
+Each check raises `ValueError` naming the option, the value received, the rule and the fix; the `hf-chainflow` command
+(`hf_chainflow.commands.main`) prints such errors as `hf-chainflow <command>: error: <message>` (exit status 1)
+instead of a traceback.
 """
 
 from __future__ import annotations
@@ -54,4 +55,20 @@ def check_model_source(flag: str, value: str, known: tuple[str, ...] = ()) -> No
                      f"{value!r}, which is none of these; check the path.")
 
 
-__all__ = ["check_model_source", "check_output_dir", "positive_int"]
+def parse_shards(text: str) -> list[int]:
+    """`"0-6"` / `"0,2,5"` / `"0-3,7"` -> shard numbers."""
+    shards = []
+    try:
+        for part in str(text).split(","):
+            lo, _, hi = part.strip().partition("-")
+            lo, hi = int(lo), int(hi or lo)
+            if hi < lo:
+                raise ValueError
+            shards += list(range(lo, hi + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shards takes shard numbers and ascending ranges like `0-6` or `0,2,5`, "
+                                         f"got {text!r}.") from None
+    return shards
+
+
+__all__ = ["check_model_source", "check_output_dir", "parse_shards", "positive_int", "usage_error"]

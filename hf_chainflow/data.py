@@ -450,8 +450,8 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                          f"{on_shard_done!r}.")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"`out_dir` {str(out_dir)!r} is a file; give a folder for the prepared data.")
-    num_layers = model.config.get_text_config().num_hidden_layers
     if target_layers is not None:
+        num_layers = model.config.get_text_config().num_hidden_layers
         layers = list(target_layers) if isinstance(target_layers, (list, tuple)) else None
         if (not layers or any(not _is_int(i) or not 0 <= i < num_layers - 1 for i in layers)
                 or len(set(layers)) != len(layers)):

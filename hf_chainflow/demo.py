@@ -1,27 +1,17 @@
-"""`hf-chainflow demo`: speculative decoding on the embedded default target and drafter, streamed, then compared
-with plain generation of the same prompts.
-
-    hf-chainflow demo                                  # the drafter's own settings (best measured), bfloat16, 3 prompts
-    hf-chainflow demo --mode chain --dtype float32     # chain drafting; float32 outputs equal plain greedy exactly
-    hf-chainflow demo --no-lookup                      # pure ChainFlow drafting (no prompt-lookup branch)
-
-Each prompt is generated greedily with the drafter (`generate(assistant_model=drafter, streamer=TextStreamer)`),
-then plainly (same dtype, unprinted). The demo prints tau (tokens per target forward after the prefill, bonus
-included), the speedup (pooled plain time per token / pooled speculative time per token) and whether the outputs
-are identical. In bfloat16 an output may differ on a near-tie (see `hf_chainflow.bench`); float32 is exact.
-In bfloat16 on a CPU without bfloat16 matrix instructions (no AMX, no AVX-512 BF16) it first prints a note
-(`hf_chainflow.bench.bf16_hardware_note`): there multi-token verification costs several plain steps.
+"""The demo behind `hf-chainflow demo`: stream speculative generations of a few prompts, then time plain generation of
+the same prompts and compare (tau, speedup, identical outputs; each difference classified as the bench does,
+`hf_chainflow.bench.numerics`).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 import torch
 
-from .cli_args import positive_int
+from .bench.defaults import DEFAULT_TIE_TOLERANCE
+from .bench.numerics import explain_mismatch
+from .stats import SpeculativeStats
 
 DEMO_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
@@ -70,8 +60,6 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | No
     where `differences` classifies each output that differs from plain generation as the bench does.
     """
     from transformers import TextStreamer
-
-    from .stats import SpeculativeStats
 
     if mode not in (None, "chain", "tree"):
         raise ValueError(f"`--mode` must be 'chain' or 'tree', got {mode!r}.")
@@ -142,10 +130,8 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | No
 
 def _classify_differences(target, encoded, spec, plain, dtype: str) -> list[dict]:
     """Each prompt whose speculative tokens differ from plain generation's, classified as the bench does
-    (`hf_chainflow.bench.explain_mismatch`): the first diverging position and whether the plain model of this dtype
-    scores the two tokens as a near-tie."""
-    from .bench import DEFAULT_TIE_TOLERANCE, explain_mismatch
-
+    (`hf_chainflow.bench.numerics.explain_mismatch`): the first diverging position and whether the plain model of
+    this dtype scores the two tokens as a near-tie."""
     differences = []
     for i, (ids, (spec_tokens, _), (plain_tokens, _)) in enumerate(zip(encoded, spec, plain), 1):
         d = explain_mismatch(target, ids, plain_tokens, spec_tokens, dtype, DEFAULT_TIE_TOLERANCE)
@@ -154,40 +140,20 @@ def _classify_differences(target, encoded, spec, plain, dtype: str) -> list[dict
     return differences
 
 
-def add_demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="Stream speculative generations on the embedded default model and drafter.",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local model directory")
-    p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
-    p.add_argument("--mode", choices=("chain", "tree"), help="draft mode (default: the drafter's generation config)")
-    p.add_argument("--no-lookup", action="store_true", help="switch the prompt-lookup branch off (pure ChainFlow)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 3 built-in prompts)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt (default 96)")
-    p.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: all cores)")
-    p.set_defaults(func=run_demo_command)
 
-
-def run_demo_command(args: argparse.Namespace) -> int:
-    from . import ChainFlowDrafter
-    from .bench import bf16_hardware_note
+def demo(target: str, drafter_path: str | None = None, dtype: str = "bfloat16", prompts=DEMO_PROMPTS, *,
+         mode: str | None = None, lookup: bool | None = None, max_new_tokens: int = 96, print_fn=print) -> dict:
+    """`run_demo` on a target loaded by name or path (`hf_chainflow.targets.load_model_and_tokenizer`, in `dtype`)
+    and the float32 drafter at `drafter_path` (default: the drafter shipped for the default target)."""
     from .checkpoints import default_drafter_path
-    from .cli import load_model_and_tokenizer
-    from .cli_args import check_model_source
+    from .modeling_chainflow import ChainFlowDrafter
+    from .targets import load_model_and_tokenizer
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    if args.drafter_path:
-        check_model_source("--drafter-path", args.drafter_path)
-    path = args.drafter_path or default_drafter_path()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    note = bf16_hardware_note() if args.dtype == "bfloat16" else None
-    if note is not None:
-        print(note)
-    target, tokenizer = load_model_and_tokenizer(args.target, dtype)
-    drafter = ChainFlowDrafter.from_pretrained(path, target=target, dtype=torch.float32).eval()
-    run_demo(target, tokenizer, drafter, args.prompt or DEMO_PROMPTS, mode=args.mode,
-             lookup=False if args.no_lookup else None, max_new_tokens=args.max_new_tokens)
-    return 0
+    path = drafter_path or default_drafter_path()
+    model, tokenizer = load_model_and_tokenizer(target, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    drafter = ChainFlowDrafter.from_pretrained(path, target=model, dtype=torch.float32).eval()
+    return run_demo(model, tokenizer, drafter, prompts, mode=mode, lookup=lookup, max_new_tokens=max_new_tokens,
+                    print_fn=print_fn)
 
 
-__all__ = ["DEMO_PROMPTS", "add_demo_parser", "run_demo"]
+__all__ = ["DEMO_PROMPTS", "demo", "describe_settings", "run_demo"]

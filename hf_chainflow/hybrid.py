@@ -29,6 +29,7 @@ Batch size 1 is what `hf_chainflow.verification` uses; the maths here is written
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -43,10 +44,6 @@ try:  # fires accelerate's offload hooks of `conv1d`, whose weight we read direc
 except ImportError:  # pragma: no cover
     def force_accelerate_hooks(_names):
         return lambda fn: fn
-
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 __all__ = [
     "TREE_KWARG",
@@ -316,24 +313,24 @@ class _TreeGDNMixin:
         return _tree_forward(self, hidden_states, cache, ctx)
 
 
-class TreeQwen3_5GatedDeltaNet(_TreeGDNMixin, Qwen3_5GatedDeltaNet):
-    """`Qwen3_5GatedDeltaNet` with the tree-verify path."""
+# The Gated DeltaNet layers hf_chainflow can fork: (transformers modeling module, class). Their modules are not
+# imported here: a model can only hold such a layer once its module is imported, so dense targets never load them.
+_GDN_CLASSES = (
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+)
+_GDN_NAMES = ", ".join(name for _, name in _GDN_CLASSES)
 
 
-class TreeQwen3_5MoeGatedDeltaNet(_TreeGDNMixin, Qwen3_5MoeGatedDeltaNet):
-    """`Qwen3_5MoeGatedDeltaNet` with the tree-verify path."""
+def _supported_gdn() -> tuple[type, ...]:
+    """The supported GDN classes whose modeling modules are loaded (the only ones a model can hold)."""
+    modules = ((sys.modules.get(module), name) for module, name in _GDN_CLASSES)
+    return tuple(getattr(module, name) for module, name in modules if hasattr(module, name))
 
 
-class TreeQwen3NextGatedDeltaNet(_TreeGDNMixin, Qwen3NextGatedDeltaNet):
-    """`Qwen3NextGatedDeltaNet` with the tree-verify path."""
-
-
-_TREE_CLASSES: dict[type, type] = {
-    Qwen3_5GatedDeltaNet: TreeQwen3_5GatedDeltaNet,
-    Qwen3_5MoeGatedDeltaNet: TreeQwen3_5MoeGatedDeltaNet,
-    Qwen3NextGatedDeltaNet: TreeQwen3NextGatedDeltaNet,
-}
-_SUPPORTED_GDN = tuple(_TREE_CLASSES)
+# Tree-aware subclass per GDN class (`TreeQwen3_5GatedDeltaNet`, ...), built on first use by `_tree_class`.
+_TREE_CLASSES: dict[type, type] = {}
 
 _PREPARED: "weakref.WeakKeyDictionary[nn.Module, dict[int, nn.Module]]" = weakref.WeakKeyDictionary()
 
@@ -356,8 +353,9 @@ def is_hybrid_target(model: nn.Module) -> bool:
     if model in _PREPARED:
         return True
     if model not in _IS_HYBRID:
+        supported = _supported_gdn()
         _IS_HYBRID[model] = bool(_recurrent_layer_indices(model)) or any(
-            isinstance(m, _SUPPORTED_GDN) for m in model.modules()
+            isinstance(m, supported) for m in model.modules()
         )
     return _IS_HYBRID[model]
 
@@ -366,7 +364,8 @@ def gdn_layers(model: nn.Module) -> dict[int, nn.Module]:
     """`{layer_idx: GDN module}` of `model` (after `prepare_hybrid_target`, the tree-aware modules)."""
     if model in _PREPARED:
         return _PREPARED[model]
-    return {m.layer_idx: m for m in model.modules() if isinstance(m, _SUPPORTED_GDN)}
+    supported = _supported_gdn()
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, supported)}
 
 
 def check_forkable_target(model: nn.Module) -> None:
@@ -374,14 +373,15 @@ def check_forkable_target(model: nn.Module) -> None:
 
     Pure (changes nothing): for the up-front checks of a `generate` call on a stateful target (transformers'
     `_is_stateful`), so that Mamba, LFM2 conv layers and the like are refused before any forward runs."""
-    forkable = {m.layer_idx for m in model.modules() if isinstance(m, _SUPPORTED_GDN)}
+    supported = _supported_gdn()
+    forkable = {m.layer_idx for m in model.modules() if isinstance(m, supported)}
     other = sorted(set(_recurrent_layer_indices(model)) - forkable)
     if other or not forkable:
         where = f"layers {other} (config.layer_types)" if other else "layers that are not Gated DeltaNet"
         raise ValueError(
             f"{type(model).__name__} keeps recurrent state in {where}, which hf_chainflow cannot fork per draft "
             f"node. ChainFlow speculative generation supports attention targets and Gated DeltaNet hybrids "
-            f"({', '.join(c.__name__ for c in _SUPPORTED_GDN)}); call `generate` without `assistant_model` here."
+            f"({_GDN_NAMES}); call `generate` without `assistant_model` here."
         )
 
 
@@ -395,10 +395,11 @@ def prepare_hybrid_target(model: nn.Module) -> dict[int, nn.Module]:
     if model in _PREPARED:
         return _PREPARED[model]
     layers: dict[int, nn.Module] = {}
+    supported = _supported_gdn()
     for module in model.modules():
         if isinstance(module, _TreeGDNMixin):
             layers[module.layer_idx] = module
-        elif isinstance(module, _SUPPORTED_GDN):
+        elif isinstance(module, supported):
             module.__class__ = _tree_class(type(module))
             layers[module.layer_idx] = module
     expected = _recurrent_layer_indices(model)
@@ -407,7 +408,7 @@ def prepare_hybrid_target(model: nn.Module) -> dict[int, nn.Module]:
         raise ValueError(
             f"{type(model).__name__} has recurrent layers {missing} (config.layer_types) that are not Gated "
             f"DeltaNet layers hf_chainflow can fork; supported layer modules: "
-            f"{', '.join(c.__name__ for c in _SUPPORTED_GDN)}."
+            f"{_GDN_NAMES}."
         )
     _PREPARED[model] = layers
     return layers
@@ -416,7 +417,8 @@ def prepare_hybrid_target(model: nn.Module) -> dict[int, nn.Module]:
 def _tree_class(cls: type) -> type:
     """Tree-aware subclass of a supported GDN class (or of a user subclass of one; built once per class)."""
     if cls not in _TREE_CLASSES:
-        _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeGDNMixin, cls), {"__module__": __name__})
+        _TREE_CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeGDNMixin, cls),
+                                  {"__module__": __name__, "__doc__": f"`{cls.__name__}` with the tree-verify path."})
     return _TREE_CLASSES[cls]
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cli_args import check_model_source
+
 
 @dataclass(frozen=True)
 class GGUFTarget:
@@ -142,3 +144,13 @@ def load_target(name: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     tok = AutoTokenizer.from_pretrained(path)
     return model.eval(), tok
+
+
+def load_model_and_tokenizer(target: str, dtype: torch.dtype = torch.float32
+                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A known target name (see `KNOWN_TARGETS`, loaded by `load_target`) or a local transformers model directory
+    (or a Hub repo id), with its tokenizer, in eval mode."""
+    if target in KNOWN_TARGETS:
+        return load_target(target, dtype=dtype)
+    check_model_source("--target", target, tuple(KNOWN_TARGETS))
+    return AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval(), AutoTokenizer.from_pretrained(target)

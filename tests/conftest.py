@@ -2,24 +2,21 @@
 `tiny_prepared` fixture (a tiny target saved with its prepared data) for the command-line training tests."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("HF_CHAINFLOW_TEST_THREADS", "1")))
+from _fixtures import PROMPTS
 
-PROMPTS = Path("/work/shared/data/prompts/train.jsonl")
+torch.set_num_threads(int(os.environ.get("HF_CHAINFLOW_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")
 def tiny_prepared(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer (`target/`) and its prepared responses to 16 shared training
-    prompts (`data/`, one shard), in a temporary directory."""
-    if not PROMPTS.is_file():
-        pytest.skip(f"needs the shared prompts at {PROMPTS}")
+    """A tiny random Llama with SmolLM2's tokenizer (`target/`) and its prepared responses to the first 16
+    fixture prompts (`data/`, one shard), in a temporary directory."""
     tmp = tmp_path_factory.mktemp("tiny-prepared")
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
     from hf_chainflow.targets import load_tokenizer
     from hf_chainflow.testing import tiny_target
 

@@ -12,8 +12,6 @@ from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.bench import (
     Arm,
     BenchPrompt,
-    _parse_extra_drafters,
-    _parse_tree,
     build_arms,
     classify_divergence,
     first_divergence,
@@ -22,6 +20,7 @@ from hf_chainflow.bench import (
     stratified_selection,
     write_results,
 )
+from hf_chainflow.commands.bench import _parse_extra_drafters, _parse_tree
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
 from _windows import one_thread
@@ -92,7 +91,7 @@ def test_argument_parsers():
      r"lookup_max_tokens` \(4\) cannot be smaller than `lookup_num_tokens` \(10\)"),
 ])
 def test_bench_refuses_bad_lookup_flags_before_loading_anything(flags, message):
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     with pytest.raises(SystemExit, match=message):  # a missing target path would fail later, so nothing loaded
         main(["bench", "--target", "/nonexistent/target", *flags])
@@ -185,7 +184,7 @@ def test_run_bench_rejects_a_missing_baseline():
 
 
 def test_journal_drops_a_cut_last_line_and_refuses_a_broken_middle_line(tmp_path, caplog):
-    from hf_chainflow.bench_journal import BenchJournal
+    from hf_chainflow.bench.journal import BenchJournal
 
     path = tmp_path / "runs.jsonl"
     header = {"settings": {"a": 1}, "prompt_ids": ["x", "y"], "prompt_tokens_sha256": "0"}
@@ -198,7 +197,7 @@ def test_journal_drops_a_cut_last_line_and_refuses_a_broken_middle_line(tmp_path
     with pytest.raises(ValueError, match=r"differ from the journal .* \['settings.a'\]"):
         BenchJournal(path, {**header, "settings": {"a": 2}}, resume=True)
     assert path.read_bytes() == cut  # a refused resume changes nothing
-    with caplog.at_level("WARNING", logger="hf_chainflow.bench_journal"):
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
         resumed = BenchJournal(path, header, resume=True)
     assert "cut short" in caplog.text
     assert set(resumed.done) == {"x"} and path.read_bytes() == complete
@@ -216,13 +215,13 @@ def test_journal_drops_a_cut_last_line_and_refuses_a_broken_middle_line(tmp_path
 def test_a_journal_from_before_config_digests_resumes_with_a_warning(tmp_path, caplog):
     """The committed 320-prompt journal has no `drafter_config_sha256`: it still resumes (weights and every other
     setting checked), with a warning that the configs could not be; any other difference is still refused."""
-    from hf_chainflow.bench_journal import BenchJournal
+    from hf_chainflow.bench.journal import BenchJournal
 
     path = tmp_path / "runs.jsonl"
     old = {"settings": {"a": 1, "drafter_weights_sha256": {"c": "w"}}, "prompt_ids": ["x"], "prompt_tokens_sha256": "0"}
     BenchJournal(path, old).add(BenchJournal(path, old).start_part({}), "x", 1.0, {}, {}, {})
     new = {**old, "settings": {**old["settings"], "drafter_config_sha256": {"c": "k"}}}
-    with caplog.at_level("WARNING", logger="hf_chainflow.bench_journal"):
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
         assert set(BenchJournal(path, new, resume=True).done) == {"x"}
     assert "predates `drafter_config_sha256`" in caplog.text
     with pytest.raises(ValueError, match=r"\['settings.drafter_weights_sha256.c'\]"):
@@ -230,7 +229,7 @@ def test_a_journal_from_before_config_digests_resumes_with_a_warning(tmp_path, c
 
 
 def test_config_digest_follows_config_and_generation_config(tmp_path):
-    from hf_chainflow.bench_journal import config_digest
+    from hf_chainflow.bench.journal import config_digest
 
     ChainFlowDrafter(ChainFlowConfig.for_target(tiny_target("llama").config, **DRAFTER)).save_pretrained(tmp_path / "a")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
@@ -246,7 +245,7 @@ def test_config_digest_follows_config_and_generation_config(tmp_path):
 def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     """A run stopped after two prompts resumes from its journal and summarises like an uninterrupted run; a resume
     with other settings, or without a journal, is refused and leaves the journal as it was."""
-    from hf_chainflow.bench_journal import BenchJournal
+    from hf_chainflow.bench.journal import BenchJournal
 
     target = tiny_target("llama", num_layers=2)
     models = {"float32": target}
@@ -355,7 +354,7 @@ def saved(tmp_path_factory):
 
 
 def test_bench_command(saved, capsys):
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     out = saved / "run"
     argv = ["bench", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"),
@@ -397,11 +396,11 @@ def test_bench_command(saved, capsys):
 
 
 def test_demo_command(saved, capsys, monkeypatch):
-    import hf_chainflow.bench as bench
-    from hf_chainflow.cli import main
+    import hf_chainflow.bench.machine as machine
+    from hf_chainflow.commands import main
 
     # As on a CPU without bfloat16 matrix instructions: the note is for bfloat16 runs only.
-    monkeypatch.setattr(bench, "bf16_matrix_instructions", lambda: {"amx_tile": False, "avx512_bf16": False})
+    monkeypatch.setattr(machine, "bf16_matrix_instructions", lambda: {"amx_tile": False, "avx512_bf16": False})
     assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
                  "float32", "--prompt", "Say hi.", "--max-new-tokens", "5", "--threads", "1"]) == 0
     text = capsys.readouterr().out
@@ -439,7 +438,7 @@ def _record(pid, domain, **arms):
 
 
 def test_same_length_summary_keeps_only_prompts_where_every_arm_matches_ar_length():
-    from hf_chainflow.bench_report import same_length_summary
+    from hf_chainflow.bench.report import same_length_summary
 
     arms = {k: {"dtype": k.split("@")[1]} for k in ("ar@bfloat16", "pld@bfloat16", "tree@bfloat16", "ar@float32")}
     prompts = [
@@ -458,7 +457,7 @@ def test_same_length_summary_keeps_only_prompts_where_every_arm_matches_ar_lengt
 
 
 def test_bench_report_main_rewrites_a_saved_run(tmp_path):
-    from hf_chainflow.bench_report import main
+    from hf_chainflow.bench.report import main
 
     with pytest.raises(ValueError, match="holds no results.json"):
         main([str(tmp_path)])
@@ -477,7 +476,7 @@ def test_bench_report_main_rewrites_a_saved_run(tmp_path):
 
 
 def test_bf16_hardware_note_only_without_native_instructions():
-    from hf_chainflow.bench import bf16_hardware_note, bf16_matrix_instructions
+    from hf_chainflow.bench.machine import bf16_hardware_note, bf16_matrix_instructions
 
     note = bf16_hardware_note({"amx_tile": False, "avx512_bf16": False}, "AVX2")
     assert note is not None and "AVX2" in note and "float32" in note
@@ -490,7 +489,7 @@ def test_bf16_hardware_note_only_without_native_instructions():
 
 
 def test_cpu_identity_reads_the_first_processor_block():
-    from hf_chainflow.bench import cpu_identity, machine_info
+    from hf_chainflow.bench.machine import cpu_identity, machine_info
 
     text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
             "model name\t: AMD EPYC\nflags\t\t: fpu avx512_bf16\n\n"
@@ -503,10 +502,10 @@ def test_cpu_identity_reads_the_first_processor_block():
 
 @pytest.mark.parametrize("support, noted", [(False, True), (True, False)])
 def test_bench_notes_a_cpu_without_bf16_matrix_instructions(monkeypatch, tmp_path, capsys, support, noted):
-    import hf_chainflow.bench as bench
-    from hf_chainflow.cli import main
+    import hf_chainflow.bench.machine as machine
+    from hf_chainflow.commands import main
 
-    monkeypatch.setattr(bench, "bf16_matrix_instructions", lambda: {"amx_tile": support, "avx512_bf16": False})
+    monkeypatch.setattr(machine, "bf16_matrix_instructions", lambda: {"amx_tile": support, "avx512_bf16": False})
     missing = tmp_path / "missing.jsonl"  # the run stops at the prompts, before any model loads
     with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--dtypes", "bfloat16", "--prompts", str(missing), "--threads", "1"])

@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
-from hf_chainflow.cli import build_parser, main
-from hf_chainflow.cli_args import check_model_source, check_output_dir
-from hf_chainflow.cli_train import parse_shards, resolve_train_options
+from hf_chainflow.cli_args import check_model_source, check_output_dir, parse_shards
+from hf_chainflow.commands import build_parser, main
+from hf_chainflow.commands.train import resolve_train_options
 
 
 def _train_options(*argv):
@@ -81,7 +81,7 @@ def test_train_checks_yaml_values_and_files_like_flags(tmp_path):
 
 
 def test_a_failed_train_run_leaves_no_empty_output_directory(tmp_path, monkeypatch):
-    import hf_chainflow.cli_train as cli_train
+    import hf_chainflow.workflows as workflows
 
     def fails(o):
         import os
@@ -89,7 +89,7 @@ def test_a_failed_train_run_leaves_no_empty_output_directory(tmp_path, monkeypat
         os.makedirs(o["out"], exist_ok=True)  # as the Trainer does before it can fail
         raise ValueError("`--data` holds no windows.")
 
-    monkeypatch.setattr(cli_train, "_train", fails)
+    monkeypatch.setattr(workflows, "train_drafter", fails)
     out = tmp_path / "drafter"
     with pytest.raises(SystemExit, match="hf-chainflow train: error: `--data` holds no windows"):
         main(["train", "--data", "d", "--out", str(out)])
@@ -147,7 +147,7 @@ def test_bench_names_the_clash_of_arms_and_no_default_drafter(tmp_path):
 
 
 def test_jsonl_errors_name_the_file_and_line(tmp_path):
-    from hf_chainflow.bench import load_prompts as bench_prompts
+    from hf_chainflow.bench.prompts import load_prompts as bench_prompts
     from hf_chainflow.data import load_prompts
 
     bad = tmp_path / "prompts.jsonl"
@@ -173,12 +173,12 @@ def test_prepare_refuses_empty_inputs_before_writing(tmp_path):
 def test_train_checks_data_and_shards_before_loading_the_target(tmp_path, monkeypatch):
     import json
 
-    import hf_chainflow.cli as cli
+    import hf_chainflow.targets as targets
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr(cli, "load_model_and_tokenizer", no_loading)
+    monkeypatch.setattr(targets, "load_model_and_tokenizer", no_loading)
     with pytest.raises(SystemExit, match=r"holds no manifest.json; run `hf-chainflow prepare"):
         main(["train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
     (tmp_path / "data").mkdir()

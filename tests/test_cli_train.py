@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowConfig
-from hf_chainflow.cli import build_parser
-from hf_chainflow.cli_train import TRAIN_DEFAULTS, resolve_train_options, throughput_summary
+from hf_chainflow.commands import build_parser
+from hf_chainflow.commands.train import TRAIN_DEFAULTS, resolve_train_options
+from hf_chainflow.workflows import throughput_summary
 
 
 def parse(*argv):
@@ -41,12 +42,12 @@ def test_bad_options_are_named(tmp_path):
         parse("--data", "/d", "--drafter-arg", "num_blocks")  # not KEY=VALUE
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RECIPES = Path(__file__).resolve().parents[1] / "docs" / "research" / "recipes"  # the stage recipes
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("train_*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("train_*.yaml")))
 def test_shipped_recipes_resolve(name):
-    config = EXAMPLES / name
+    config = RECIPES / name
     replay = ["--replay", "/r"] if "replay_shards" in config.read_text() else []
     o = resolve_train_options(parse("--config", str(config), "--data", "/d", "--out", "/o", *replay))
     assert o["max_steps"] > 0 and o["batch_size"] > 0 and o["shards"]
@@ -55,11 +56,11 @@ def test_shipped_recipes_resolve(name):
 
 
 def test_there_are_shipped_recipes():
-    assert len(list(EXAMPLES.glob("train_*.yaml"))) >= 5
+    assert len(list(RECIPES.glob("train_*.yaml"))) >= 5
 
 
 def test_prepare_rejects_an_unknown_device_before_loading_the_target():
-    from hf_chainflow.cli import run_prepare
+    from hf_chainflow.commands.prepare import run_prepare
 
     args = build_parser().parse_args(["prepare", "--responses", "r.jsonl", "--out", "/o", "--device", "gpu0"])
     with pytest.raises(SystemExit, match=r"--device must name a torch device .*'gpu0'"):
@@ -69,7 +70,7 @@ def test_prepare_rejects_an_unknown_device_before_loading_the_target():
 def test_prepare_rejects_cuda_without_a_gpu(monkeypatch):
     import torch
 
-    from hf_chainflow.cli import run_prepare
+    from hf_chainflow.commands.prepare import run_prepare
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = build_parser().parse_args(["prepare", "--responses", "r.jsonl", "--out", "/o", "--device", "cuda"])
@@ -141,7 +142,7 @@ def test_state_statistics_come_from_the_training_shards(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_the_checkpoints_drafter(tiny_prepared, tmp_path):
     from _windows import TINY_DRAFTER
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     base = ["train", "--target", str(tiny_prepared / "target"), "--data", str(tiny_prepared / "data"), "--out",
             str(tmp_path / "run"), "--batch-size", "4", "--save-steps", "2", "--threads", "1"]

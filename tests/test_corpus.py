@@ -112,7 +112,7 @@ def test_datasets_loads_every_row_of_the_folder(tmp_path, model, tok):
 def test_two_processes_split_the_prompts(tmp_path, saved_target):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in _prompts(14)))
-    args = [sys.executable, "-m", "hf_chainflow.cli", "generate-responses", "--target", str(saved_target),
+    args = [sys.executable, "-m", "hf_chainflow.commands", "generate-responses", "--target", str(saved_target),
             "--prompts", str(prompts), "--corpus", str(tmp_path / "c"), "--max-new-tokens", str(NEW),
             "--dtype", "float32", "--threads", "1", "--batch-size", "4", "--shard-size", "3"]
     ResponseCorpus.create(tmp_path / "c", target=str(saved_target), tokenizer=load_tokenizer())  # no create race
@@ -209,7 +209,7 @@ def test_cache_from_the_corpus_equals_the_cache_from_jsonl(tmp_path, model, tok)
 
 
 def test_training_data_never_holds_the_heldout_split(tmp_path, saved_target, tok, model):
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     corpus = ResponseCorpus.create(tmp_path / "c", target="tiny", tokenizer=tok)
     _generate(model, tok, corpus, _prompts(8))

@@ -2,7 +2,6 @@
 
 import json
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ from hf_chainflow.data import ChainFlowWindowDataset, collate, iter_sequences, p
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 
-PROMPTS = Path("/work/shared/data/prompts/train.jsonl")
-RESPONSES = Path("/work/shared/data/responses/smollm2-135m-instruct.jsonl")
+from _fixtures import PROMPTS, RESPONSES
+
 NEW = 10  # max new tokens: keeps generation fast
 
 
@@ -334,7 +333,7 @@ def test_prompts_from_datasets_and_cut_response():
 
 
 def test_cli_prepare_on_a_local_model_dir(tmp_path, model, tok):
-    from hf_chainflow.cli import main
+    from hf_chainflow.commands import main
 
     model_dir = tmp_path / "tiny"
     model.save_pretrained(model_dir)

@@ -313,12 +313,12 @@ def test_a_failing_evaluation_gives_the_drafter_back_in_its_training_mode(setup,
 
 
 def test_walk_comparison_scripts_print_differences_and_intervals(tmp_path):
-    """`examples/compare_walks.py` and `examples/compare_walk_gains.py` on three stages' walk records."""
+    """`docs/research/scripts/compare_walks.py` and `compare_walk_gains.py` on three stages' walk records."""
     import subprocess
     import sys
     from pathlib import Path
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[1] / "docs" / "research" / "scripts"
     rounds = [10, 12, 8, 20]
     files = []
     for name, extra in (("a", 0), ("b", 2), ("c", 3)):  # tokens per response: 2 * rounds + extra

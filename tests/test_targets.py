@@ -9,7 +9,7 @@ import torch
 from hf_chainflow import targets
 from hf_chainflow.targets import GGUFTarget, KNOWN_TARGETS
 
-SHARED = Path("/work/shared/data")
+from _fixtures import RESPONSE_PROMPTS, RESPONSES
 
 
 def test_unknown_target_name():
@@ -52,12 +52,12 @@ def test_smollm2_chat_template_reproduces_response_prompt_ids():
     model, tok = targets.load_target()
     assert model.config.vocab_size == 49152 and model.dtype == torch.float32
     responses = {}
-    with open(SHARED / "responses/smollm2-135m-instruct.jsonl") as f:
+    with open(RESPONSES) as f:
         for _, line in zip(range(50), f):
             row = json.loads(line)
             responses[row["id"]] = row
     checked = 0
-    with open(SHARED / "prompts/train.jsonl") as f:
+    with open(RESPONSE_PROMPTS) as f:
         for line in f:
             row = json.loads(line)
             if row["id"] in responses:

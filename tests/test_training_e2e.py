@@ -8,22 +8,20 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
-from hf_chainflow.cli import main
+from hf_chainflow.commands import main
 from hf_chainflow.data import read_shortlist
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 
+from _fixtures import PROMPTS
 from _windows import one_thread
 
-PROMPTS = Path("/work/shared/data/prompts/train.jsonl")
 DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
            "path_hidden_size": 32, "markov_rank": 32}
 
 
 @pytest.mark.slow
 def test_prepare_train_eval_offline_beats_untrained(tmp_path):
-    if not PROMPTS.is_file():
-        pytest.skip(f"needs the shared prompts at {PROMPTS}")
     with one_thread():
         _run(tmp_path)
 
@@ -35,7 +33,8 @@ def _run(tmp: Path):
     target.generation_config.pad_token_id = tokenizer.pad_token_id
     target.save_pretrained(tmp / "target")
     tokenizer.save_pretrained(tmp / "target")
-    rows = PROMPTS.read_text().splitlines()[:48]
+    rows = PROMPTS.read_text().splitlines()
+    assert len(rows) == 48
     (tmp / "train.jsonl").write_text("\n".join(rows[:36]) + "\n")
     (tmp / "heldout.jsonl").write_text("\n".join(rows[36:]) + "\n")
 

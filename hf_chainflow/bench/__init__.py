@@ -1,0 +1,32 @@
+"""The bench library behind `hf-chainflow bench` (and the demo's classification of differences):
+
+    prompts.py   the evaluation prompts, a selection stratified by domain, their tokenisation
+    arms.py      the arms (ar, pld, a drafter's chain or tree, custom) and one timed run of an arm on a prompt
+    numerics.py  where an arm's output first differs from `ar`, and whether that is a near-tie or a bug
+    machine.py   what the numbers were measured on (CPU, bfloat16 instructions, versions, load)
+    journal.py   one JSON line per finished prompt, so that a run can stop and resume
+    report.py    results.json, results.md and the plots
+    run.py       the run (`run_bench`) and loading a target and drafters by name or path (`benchmark`)
+    defaults.py  the defaults, importable without torch
+
+The public names import from here too (`from hf_chainflow.bench import run_bench`), each on first use.
+"""
+
+from .._lazy import lazy_exports
+
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    **dict.fromkeys(["BASE_ARMS", "DEFAULT_OUTPUT_DIR", "DEFAULT_TIE_TOLERANCE", "DTYPE_NAMES", "JOURNAL_NAME"],
+                    "defaults"),
+    **dict.fromkeys(["BenchPrompt", "default_prompts_path", "load_prompts", "stratified_selection",
+                     "tokenize_prompts"], "prompts"),
+    **dict.fromkeys(["Arm", "Run", "build_arms", "configure_drafter", "run_arm"], "arms"),
+    **dict.fromkeys(["classify_divergence", "explain_mismatch", "first_divergence"], "numerics"),
+    **dict.fromkeys(["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "machine_info"], "machine"),
+    **dict.fromkeys(["BenchJournal", "config_digest", "journal_header", "run_from_dict", "run_to_dict",
+                     "weights_digest"], "journal"),
+    **dict.fromkeys(["markdown_table", "same_length_summary", "write_results"], "report"),
+    **dict.fromkeys(["benchmark", "run_bench", "summarise"], "run"),
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,146 @@
+"""The bench's arms: one way of generating in one dtype (plain greedy `ar`, prompt lookup `pld`, a drafter's
+chain or tree, or a custom function), and one timed greedy `generate` call of an arm on one prompt (`Run`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..stats import SpeculativeStats
+from .defaults import BASE_ARMS
+
+
+@dataclass
+class Arm:
+    """One way of generating, in one dtype.
+
+    `kind` is `"ar"`, `"pld"`, `"chain"`, `"tree"` or `"custom"`. Chain/tree arms name their `drafter` (a key of the
+    `drafters` given to `run_bench`). A custom arm (tests, experiments) calls
+    `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    drafter: str | None = None
+    settings: dict = field(default_factory=dict)
+    fn: Callable | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.dtype}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind in ("chain", "tree")
+
+
+def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
+               tree: tuple[int, int] | None = None, tree_budget: int | None = None,
+               lookup: dict | None = None, default_drafter: str = "chainflow",
+               only: list[str] | None = None) -> list[Arm]:
+    """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
+
+    `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
+    length `num_assistant_tokens`, tree shape `tree_width` x `tree_depth` and `tree_budget`; `chain`/`tree`/
+    `tree_budget` override them). The
+    default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `lookup` (the
+    `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `only` keeps the arms of
+    those names.
+    """
+    names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
+                                                      ("pld", "pld", None, {"prompt_lookup_num_tokens": pld_tokens})]
+    for dname, drafter in drafters.items():
+        g = drafter.generation_config
+        prefix = "" if dname == default_drafter else f"{dname}-"
+        n = chain if chain is not None else int(g.num_assistant_tokens)
+        width, depth = tree if tree is not None else (int(getattr(g, "tree_width", 8)), int(getattr(g, "tree_depth", 4)))
+        names.append((f"{prefix}chain", "chain", dname, {"num_assistant_tokens": n}))
+        budget = tree_budget if tree_budget is not None else getattr(g, "tree_budget", None)
+        names.append((f"{prefix}tree", "tree", dname, {"tree_width": width, "tree_depth": depth,
+                                                         "tree_budget": budget}))
+        if lookup is not None and dname == default_drafter:
+            names.append(("tree+lookup", "tree", dname, {"tree_width": width, "tree_depth": depth,
+                                                          "tree_budget": budget, **lookup}))
+    if only is not None:
+        known = [n[0] for n in names]
+        unknown = [o for o in only if o not in known]
+        if unknown:
+            raise ValueError(f"`--arms` names unknown arms {unknown}; the arms of this run are {known}.")
+        names = [n for n in names if n[0] in only]
+    return [Arm(name, kind, dtype, dname, dict(settings)) for dtype in dtypes for name, kind, dname, settings in names]
+
+
+def configure_drafter(drafter, arm: Arm) -> None:
+    """Set the drafter's `generation_config` for a chain or tree arm."""
+    g = drafter.generation_config
+    g.draft_mode = arm.kind
+    # Arms share a drafter: the lookup branch only where an arm asks for it.
+    g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = None
+    for k, v in arm.settings.items():
+        setattr(g, k, v)
+
+
+class _ForwardCounter:
+    """Counts calls of a model's forward (a forward hook), for prompt lookup's tau."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+    def remove(self):
+        self.handle.remove()
+
+
+@dataclass
+class Run:
+    """What one arm did on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    stats: SpeculativeStats | None = None
+    forwards: int | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, drafter=None,
+            eos_token_id=None, pad_token_id=None) -> Run:
+    """Generate greedily with one arm on one prompt; time only the `generate` call."""
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+    if pad_token_id is not None:
+        kwargs["pad_token_id"] = pad_token_id
+    counter = None
+    if arm.kind in ("ar", "pld"):
+        counter = _ForwardCounter(model)
+        if arm.kind == "pld":
+            kwargs["prompt_lookup_num_tokens"] = arm.settings["prompt_lookup_num_tokens"]
+    elif arm.speculative:
+        configure_drafter(drafter, arm)
+        kwargs["assistant_model"] = drafter
+    elif arm.kind != "custom":
+        raise ValueError(f"`Arm.kind` must be one of {BASE_ARMS + ('custom',)}, got {arm.kind!r}.")
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = arm.fn(model, input_ids, kwargs) if arm.kind == "custom" else model.generate(input_ids, **kwargs)
+            seconds = time.perf_counter() - start
+    finally:
+        if counter is not None:
+            counter.remove()
+    tokens = out[0, input_ids.shape[1]:].tolist()
+    stats = drafter.last_stats if arm.speculative else None
+    return Run(tokens, seconds, stats, counter.count if counter is not None else None)
+
+
+__all__ = ["Arm", "Run", "build_arms", "configure_drafter", "run_arm"]

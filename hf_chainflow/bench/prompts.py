@@ -1,0 +1,78 @@
+"""The bench's prompts: the shipped evaluation prompts (or a JSONL file), a selection stratified by domain, and
+their tokenisation through the chat template."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def default_prompts_path() -> Path:
+    """The evaluation prompts shipped inside the package (a copy of the project's `eval.jsonl`)."""
+    return Path(__file__).parents[1] / "data" / "eval_prompts.jsonl"
+
+
+def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
+    """Rows `{id, domain, language, prompt}` of a JSONL file (default: the shipped evaluation prompts)."""
+    from ..data import parse_jsonl_line
+
+    path = Path(path) if path is not None else default_prompts_path()
+    if not path.is_file():
+        raise ValueError(f"`--prompts` must be a JSONL file, got {str(path)!r}, which does not exist.")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = parse_jsonl_line(line, path, n)
+            missing = [k for k in ("id", "domain", "prompt") if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{n}: every prompt row needs `id`, `domain` and `prompt`; missing {missing}.")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"`--prompts` file {str(path)!r} holds no rows.")
+    return rows
+
+
+def stratified_selection(rows: list[dict], limit: int | None) -> list[dict]:
+    """Up to `limit` rows taken round-robin over the domains (sorted; file order within a domain), so every domain
+    appears once `limit >= number of domains`; all rows when `limit` is None."""
+    if limit is None:
+        return list(rows)
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"`--limit` must be a positive integer, got {limit!r}.")
+    by_domain: dict[str, list[dict]] = {}
+    for row in rows:
+        by_domain.setdefault(row["domain"], []).append(row)
+    queues = [list(reversed(by_domain[d])) for d in sorted(by_domain)]
+    picked: list[dict] = []
+    while len(picked) < limit and any(queues):
+        for q in queues:
+            if q and len(picked) < limit:
+                picked.append(q.pop())
+    return picked
+
+
+@dataclass
+class BenchPrompt:
+    """One tokenised prompt: `input_ids` `(1, L)`."""
+
+    id: str
+    domain: str
+    input_ids: torch.LongTensor
+
+
+def tokenize_prompts(tokenizer, rows: list[dict]) -> list[BenchPrompt]:
+    """Rows -> `BenchPrompt`s through the tokenizer's chat template (`add_generation_prompt=True`)."""
+    out = []
+    for row in rows:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        out.append(BenchPrompt(str(row["id"]), str(row["domain"]), enc["input_ids"]))
+    return out
+
+
+__all__ = ["BenchPrompt", "default_prompts_path", "load_prompts", "stratified_selection", "tokenize_prompts"]
