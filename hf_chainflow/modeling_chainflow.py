@@ -896,10 +896,11 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if compile and not do_sample and hidden_states.shape[1] >= C:
             if getattr(self, "_compiled_round", None) is None:
                 self._compiled_round = CompiledDraftingRound()
-            # contiguous: a view's strides are guards of the compiled graph (a window of a longer buffer would
-            # recompile on every new buffer length)
-            out = self._compiled_round(self, self.serving_tables(), hidden_states[:, -C:].contiguous(), tails,
-                                       settings, num_flow_steps)
+            # fresh copies: a view's strides are guards of the compiled graph (a window of a longer buffer would
+            # recompile on every new buffer length), and `contiguous()` keeps the stride of a size-1 batch dim
+            window = hidden_states[:, -C:]
+            out = self._compiled_round(self, self.serving_tables(), window.new_empty(window.shape).copy_(window),
+                                       tails.new_empty(tails.shape).copy_(tails), settings, num_flow_steps)
         else:
             out = drafting_round(self, self.serving_tables(), hidden_states, tails, settings, num_flow_steps)
         return DraftBatch(*out).tree(0)
