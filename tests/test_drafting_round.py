@@ -65,3 +65,25 @@ def test_compile_must_be_a_bool():
     states = torch.randn(1, 8, drafter.config.target_hidden_size)
     with pytest.raises(ValueError, match="compile"):
         drafter.draft(states, torch.tensor([[5, 6]]), compile="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_generate_with_the_compiled_round_equals_plain_generate(family):
+    """Greedy speculative `generate` with `compile_drafting` on equals plain `generate`, chain and tree, on the three
+    target families (dense and the Qwen3.5 hybrid); rounds near `max_length` draft shallower (other compiled keys)."""
+    target = tiny_target(family, num_layers=2)
+    drafter = _drafter(target)
+    drafter.generation_config.compile_drafting = True
+    V = target.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    for mode in ("chain", "tree"):
+        drafter.generation_config.draft_mode = mode
+        for i in range(3):
+            ids = torch.randint(3, V, (1, 9 + 4 * i), generator=gen)  # at least the drafter's C = 8 states
+            kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False)
+            plain = target.generate(ids, **kwargs)
+            speculative = target.generate(ids, **kwargs, assistant_model=drafter)
+            assert torch.equal(speculative, plain), (family, mode, i)
+    assert drafter.compiled_round is not None and drafter.compiled_round.eager_reason is None
+    assert len(drafter.compiled_round.keys) >= 2  # both modes ran compiled
