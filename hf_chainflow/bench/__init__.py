@@ -26,7 +26,7 @@ _EXPORTS = {
     **dict.fromkeys(["BenchJournal", "config_digest", "journal_header", "run_from_dict", "run_to_dict",
                      "weights_digest"], "journal"),
     **dict.fromkeys(["markdown_table", "same_length_summary", "write_results"], "report"),
-    **dict.fromkeys(["benchmark", "run_bench", "summarise"], "run"),
+    **dict.fromkeys(["benchmark", "run_bench", "summarise", "warm_up_arms"], "run"),
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -76,6 +76,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
                    help="dtype of the drafters' weights (default float32)")
+    p.add_argument("--compile-drafting", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the drafters' drafting rounds compiled (torch.compile, warmed up before timing) or eager "
+                        "(default: each drafter's generation_config.compile_drafting)")
     p.add_argument("--pld-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens of the pld arm")
     p.add_argument("--chain", type=positive_int, help="chain length (default: the drafter's num_assistant_tokens)")
     p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
@@ -160,6 +163,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     results, written = benchmark(
         args.target, paths, dtypes=dtypes, drafter_dtype=args.drafter_dtype, pld_tokens=args.pld_tokens,
         chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only, prompts=args.prompts,
+        compile_drafting=args.compile_drafting,
         limit=args.limit, max_new_tokens=args.max_new_tokens, tie_tolerance=args.tie_tolerance,
         output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, progress=not args.no_progress)
     print(markdown_table(results).split("\n## Settings")[0])
