@@ -317,15 +317,15 @@ def distorted(exact, eps=0.05):
 
 @pytest.mark.parametrize("family,drafter_kind,mode", [
     ("llama", "chainflow", "tree"),   # greedy tree, children tried as fixed proposals, per row
-    ("qwen3_5", "oracle", "chain"),   # q-sampled chain, min(1, p/q), per row, on the hybrid
+    ("qwen3_5", "chainflow", "chain"),  # q-sampled chain, min(1, p/q), per row, on the hybrid
 ])
 def test_sampling_keeps_each_rows_distribution(family, drafter_kind, mode):
-    """64 rows per call: 48 copies of a short prompt (left-padded) and 16 of a longer one, 100 calls; each prompt's
-    rows pass the batch-1 test, which rejects a sampler distorted by 5 % at the same sample size."""
+    """64 rows per call: 48 copies of a short prompt (left-padded) and 16 of a longer one, 300 calls; each prompt's
+    rows pass the batch-1 test, which rejects samplers distorted by 5 % at the short prompt's sample size (14,400)."""
     vocab = 12
     target = tiny_target(family, vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)
     with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)  # peaked: few (prompt, token 2, token 3) cells, so 5 % is measurable
+        target.lm_head.weight.mul_(2.0)  # peaked: few (prompt, token 2, token 3) cells, so 5 % is measurable
     if drafter_kind == "oracle":
         drafter = OracleDrafter(target, error_rate=0.5, seed=1)
     else:
@@ -342,7 +342,7 @@ def test_sampling_keeps_each_rows_distribution(family, drafter_kind, mode):
     counts = {name: torch.zeros(vocab * vocab, dtype=torch.float64) for name in exact}
     torch.manual_seed(0)
     accepted = 0
-    for _ in range(100):
+    for _ in range(300):
         out = target.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, temperature=temperature,
                               top_p=top_p, top_k=0, assistant_model=drafter, eos_token_id=None, pad_token_id=PAD)
         cells = out[:, -2] * vocab + out[:, -1]
