@@ -33,6 +33,7 @@ def drafter_for(target, **overrides):
 
 
 PROMPT = torch.tensor([[5, 17, 99, 42, 7, 130, 64]])
+RIGHT_PADDED = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]])  # a mask for PROMPT.repeat(2, 1)
 
 
 class Collect(BaseStreamer):
@@ -290,8 +291,8 @@ def test_bad_inputs_raise_clear_errors(llama):
         with pytest.raises(ValueError, match=needle):
             llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter, **kwargs)
     drafter.generation_config.draft_mode = "chain"
-    with pytest.raises(ValueError, match="batch size 1"):
-        llama.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="padded on the right"):  # batches: tests/test_batch_generation.py
+        llama.generate(PROMPT.repeat(2, 1), attention_mask=RIGHT_PADDED, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.draft_mode = "beam"
     with pytest.raises(ValueError, match="draft_mode"):
         llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
@@ -416,15 +417,15 @@ def test_an_unbound_drafter_is_bound_to_the_generating_target(family, route, req
     # (an unused model kwarg, after them) unbinds it again
     fresh = ChainFlowDrafter(reference.config).eval()
     fresh.generation_config.draft_mode = unbound.generation_config.draft_mode
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=fresh)
+    with pytest.raises(ValueError, match="padded on the right"):
+        target.generate(PROMPT.repeat(2, 1), attention_mask=RIGHT_PADDED, max_new_tokens=4, assistant_model=fresh)
     assert not fresh.is_bound
     with pytest.raises(ValueError, match="not used by the model"):
         target.generate(PROMPT, max_new_tokens=4, assistant_model=fresh, not_a_model_kwarg=1)
     assert not fresh.is_bound
-    with pytest.raises(ValueError, match="batch size 1"):  # the direct route binds and unbinds the same way
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, custom_generate=hf_chainflow.speculative_generate,
-                        drafter=fresh)
+    with pytest.raises(ValueError, match="padded on the right"):  # the direct route binds and unbinds the same way
+        target.generate(PROMPT.repeat(2, 1), attention_mask=RIGHT_PADDED, max_new_tokens=4,
+                        custom_generate=hf_chainflow.speculative_generate, drafter=fresh)
     assert not fresh.is_bound
 
 
