@@ -18,6 +18,8 @@ import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
 
+from _speculative import exact_pair_distribution, random_drafter, set_shape
+
 SHAPES = [("chain", 1), ("chain", 3), ("tree", (4, 3)), ("tree", (5, 7)), ("tree", (8, 4, 10))]
 DRAFTERS = ["random", "oracle0", "oracle0.3", "oracle1"]
 BATCHES_PER_PAIR = 2
@@ -25,23 +27,6 @@ BATCH_SIZES = [2, 3, 4, 5, 6, 7, 8, 5]  # rotated over the grid: mean 5 rows
 NUM_PROMPTS = 24
 MAX_NEW = 16
 PAD = 0
-
-
-def set_shape(drafter, mode, shape):
-    g = drafter.generation_config
-    g.draft_mode = mode
-    if mode == "chain":
-        g.num_assistant_tokens = shape
-    else:
-        g.tree_width, g.tree_depth = shape[:2]
-        g.tree_budget = shape[2] if len(shape) > 2 else None
-
-
-def random_drafter(target, **overrides):
-    cfg = ChainFlowConfig.for_target(target.config, num_blocks=1, num_heads=4, path_hidden_size=32, markov_rank=16,
-                                     **overrides)
-    torch.manual_seed(0)
-    return ChainFlowDrafter(cfg).eval().bind_target(target)
 
 
 def make_drafter(target, kind):
@@ -264,30 +249,6 @@ def test_text_generation_pipeline_with_batch_size(family):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
-    """Exact distribution of generated tokens 2 and 3 under temperature + top-p sampling (batch 1)."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    warp = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]
-
-    def probs(ids):
-        logits = target(ids).logits[:, -1].float()
-        for w in warp:
-            logits = w(ids, logits)
-        return torch.softmax(logits, -1)[0]
-
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    with torch.no_grad():
-        p1 = probs(prompt)
-        for a in p1.nonzero()[:, 0].tolist():
-            ids_a = torch.cat([prompt, torch.tensor([[a]])], 1)
-            p2 = probs(ids_a)
-            for b in p2.nonzero()[:, 0].tolist():
-                p3 = probs(torch.cat([ids_a, torch.tensor([[b]])], 1))
-                joint[b] += p1[a].double() * p2[b].double() * p3.double()
-    return (joint / joint.sum()).reshape(-1)
-
-
 def tv_test(counts, exact, gen) -> tuple[float, float]:
     """The batch-1 test (`tests/test_generate_api.py::test_sampling_keeps_target_distribution`): the total variation
     of the empirical distribution from `exact`, and the tolerance, 1.5x the largest TV of 30 simulated exact
@@ -337,7 +298,7 @@ def test_sampling_keeps_each_rows_distribution(family, drafter_kind, mode):
     prompts = [short] * 48 + [long] * 16
     ids, mask = left_pad(prompts)
     temperature, top_p = 0.8, 0.9
-    exact = {name: exact_pair_distribution(target, p[None], temperature, top_p, vocab)
+    exact = {name: exact_pair_distribution(target, p[None], temperature, top_p, vocab).reshape(-1)
              for name, p in (("short", short), ("long", long))}
     counts = {name: torch.zeros(vocab * vocab, dtype=torch.float64) for name in exact}
     torch.manual_seed(0)

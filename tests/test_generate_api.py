@@ -14,6 +14,8 @@ import hf_chainflow
 from hf_chainflow import ChainFlowCandidateGenerator, ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
+from _speculative import exact_pair_distribution
+
 
 @pytest.fixture(scope="module")
 def llama():
@@ -189,30 +191,6 @@ def test_tau_counts_every_target_forward(family, mode, request):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
-    """Exact distribution of generated tokens 2 and 3 under temperature + top-p sampling."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    warp = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]
-
-    def probs(ids):
-        logits = target(ids).logits[:, -1].float()
-        for w in warp:
-            logits = w(ids, logits)
-        return torch.softmax(logits, -1)[0]
-
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    with torch.no_grad():
-        p1 = probs(prompt)
-        for a in p1.nonzero()[:, 0].tolist():
-            ids_a = torch.cat([prompt, torch.tensor([[a]])], 1)
-            p2 = probs(ids_a)
-            for b in p2.nonzero()[:, 0].tolist():
-                p3 = probs(torch.cat([ids_a, torch.tensor([[b]])], 1))
-                joint[b] += p1[a].double() * p2[b].double() * p3.double()
-    return joint / joint.sum()
-
-
 @pytest.mark.parametrize("family,drafter_kind,mode,lookup", [
     ("llama", "chainflow", "chain", None),   # transformers' loop: q-sampled chain, min(1, p/q)
     ("qwen3_5", "oracle", "chain", None),    # own loop (hybrid): the same rule
