@@ -22,7 +22,7 @@ from transformers.utils import ModelOutput
 
 from .configuration_chainflow import ChainFlowConfig
 from .drafting_round import CompiledDraftingRound, drafting_round
-from .search import DraftBatch, ServingTables, candidate_search, committed_tails
+from .search import DraftBatch, ServingTables, candidate_search, committed_tails, search_levels
 from .settings import SearchSettings, check_num_flow_steps
 from .tree import DraftTree
 
@@ -904,6 +904,37 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         else:
             out = drafting_round(self, self.serving_tables(), hidden_states, tails, settings, num_flow_steps)
         return DraftBatch(*out).tree(0)
+
+    @torch.no_grad()
+    def draft_batch(self, hidden_states: torch.FloatTensor, committed: list[torch.LongTensor],
+                    context_mask: torch.BoolTensor | None = None, *, mode: str = "chain", num_tokens: int = 3,
+                    tree_width: int = 8, tree_depth: int = 4, tree_budget: int | None = None,
+                    num_flow_steps: int | None = None, do_sample: bool = False,
+                    temperature: float = 1.0) -> list[DraftTree]:
+        """One drafting round for `B` rows in one drafter pass (the batched speculative loop).
+
+        Args:
+            hidden_states (`(B, T, D)`): each row's last committed target states, left-padded where a row has fewer
+                than `T` (`context_mask` `(B, T)`, True = a state; `None`: every state is one).
+            committed: each row's committed tokens `(L_b,)`, unpadded; the last one is the row's root.
+            The other arguments are `draft`'s, shared by every row. Returns one `DraftTree` per row.
+        """
+        self._require_bound()
+        settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
+                                  tree_budget=tree_budget, do_sample=do_sample, temperature=temperature,
+                                  max_depth=self.max_draft_depth)
+        B, D = len(committed), self.config.target_hidden_size
+        if hidden_states.dim() != 3 or hidden_states.shape[0] != B or hidden_states.shape[2] != D:
+            raise ValueError(f"`hidden_states` must have shape ({B}, T, {D}) (one row per committed sequence), got "
+                             f"{tuple(hidden_states.shape)}.")
+        if context_mask is not None and tuple(context_mask.shape) != tuple(hidden_states.shape[:2]):
+            raise ValueError(f"`context_mask` must have shape {tuple(hidden_states.shape[:2])}, got "
+                             f"{tuple(context_mask.shape)}.")
+        p, pad = self.config.path_order, self.config.pad_token_id or 0
+        tails = torch.cat([committed_tails(ids[None], p, pad) for ids in committed])  # (B, p)
+        states = self.predict_states(hidden_states, context_mask=context_mask, num_flow_steps=num_flow_steps)
+        batch = DraftBatch(*search_levels(self, self.serving_tables(), states, tails, settings))
+        return [batch.tree(i) for i in range(B)]
 
     @property
     def compiled_round(self):

@@ -285,7 +285,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
               prompts: str | os.PathLike | None = None, limit: int | None = None, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
               resume: bool = False, partial: bool = False, progress: bool = True,
-              compile_drafting: bool | None = None) -> tuple[dict, dict[str, Path]]:
+              compile_drafting: bool | None = None,
+              batch_sizes: list[int] | None = None) -> tuple[dict, dict[str, Path]]:
     """Load the target (a known name or a model directory, see `hf_chainflow.targets.load_model_and_tokenizer`) in
     every dtype of `dtypes` and each drafter of `drafter_paths` (name -> directory; `"chainflow"` is the default
     drafter, whose arms are `chain`/`tree`/`tree+lookup`) bound to each copy, run every arm on the prompts
@@ -297,7 +298,9 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     own `lookup_num_tokens` does, when set. `chain`, `tree`, `tree_budget` override the drafters' generation configs;
     `only` keeps the arms of those names (`build_arms`). `compile_drafting` sets every drafter's
     `generation_config.compile_drafting` (`None`: keep each drafter's own); compiled rounds are warmed up for every
-    arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`).
+    arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`). With
+    `batch_sizes`, runs the batched bench instead (`hf_chainflow.bench.batched`: plain batched `generate` against
+    each drafter arm at every batch size) and writes `batched_results.json` / `.md` to `output_dir`.
     """
     from ..modeling_chainflow import ChainFlowDrafter
     from ..targets import load_model_and_tokenizer
@@ -325,6 +328,16 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     bench_prompts = tokenize_prompts(tokenizer, rows)
     warmup = tokenize_prompts(tokenizer, [warm_row])[0]
     gen = models[dtypes[0]].generation_config
+    if batch_sizes is not None:
+        from .batched import run_batched_bench, write_batched_results
+
+        results = run_batched_bench(models, bench_prompts, arms, drafters, batch_sizes, max_new_tokens=max_new_tokens,
+                                    tie_tolerance=tie_tolerance, eos_token_id=gen.eos_token_id,
+                                    pad_token_id=gen.pad_token_id, progress=progress)
+        results["settings"] = {"target": target, "drafters": drafter_paths, "dtypes": dtypes, "limit": limit,
+                               "prompts": str(prompts or default_prompts_path()), "threads": torch.get_num_threads(),
+                               "machine": machine_info(), "drafting": drafting}
+        return results, write_batched_results(results, output_dir)
     settings = {"target": target, "drafters": drafter_paths, "drafter_weights_sha256": {
                     name: weights_digest(d[dtypes[0]]) for name, d in drafters.items()},
                 "drafter_config_sha256": {name: config_digest(d[dtypes[0]]) for name, d in drafters.items()},
