@@ -26,35 +26,16 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batch_decoding import batch_speculative_generate
 from .lookup import next_lookup_length, prompt_lookup
 from .settings import SpeculativeSettings, validate_speculative_call
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import Acceptance, accept_greedy, accept_sampling, accept_sampling_tree, commit, verify_forward
+from .verification import (Acceptance, accept_greedy, accept_sampling, accept_sampling_tree, commit, process_row,
+                           processed_rows, verify_forward)
 
 
-def _process(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
-    """Apply the call's logits processors to one row `(V,)` given its full prefix `(L,)`."""
-    row = logits.float()[None]
-    if logits_processor is not None and len(logits_processor) > 0:
-        row = logits_processor(prefix[None], row)
-    return row[0]
-
-
-def _processed_rows(logits_processor, committed: torch.LongTensor, tree: DraftTree, logits: torch.Tensor):
-    """Processed logits `(n, V)` of root + nodes, each with its own prefix (committed + ancestor path)."""
-    if logits_processor is None or len(logits_processor) == 0:
-        return logits.float()
-    rows = [_process(logits_processor, committed, logits[0])]
-    for i in range(tree.num_nodes):
-        path = tree.tokens[tree.path_to(i)].to(committed.device)
-        rows.append(_process(logits_processor, torch.cat([committed, path]), logits[i + 1]))
-    return torch.stack(rows)
-
-
-def _empty_tree(device) -> DraftTree:
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    return DraftTree(tokens=empty, parents=empty.clone(), depths=empty.clone(), logprobs=torch.zeros(0, device=device))
+_process, _processed_rows = process_row, processed_rows  # the loop's names (profiling scripts wrap them)
 
 
 @torch.no_grad()
@@ -70,7 +51,8 @@ def speculative_generate(
     chainflow_settings: SpeculativeSettings | None = None,
     **model_kwargs,
 ):
-    """Speculative generation with a ChainFlow drafter in hf_chainflow's own loop (batch size 1).
+    """Speculative generation with a ChainFlow drafter in hf_chainflow's own loop (a batch of more than one row, or
+    a left-padded prompt, runs in `hf_chainflow.batch_decoding`).
 
     Args:
         model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
@@ -83,7 +65,7 @@ def speculative_generate(
         chainflow_settings: the call's drafting settings, read and checked by hf_chainflow's `generate` with the
             rest of the call (set by `generate`; without them, the loop reads and checks them itself).
 
-    Returns the sequences `(1, L)`, or a `GenerateDecoderOnlyOutput` with `sequences` when
+    Returns the sequences `(B, L')`, or a `GenerateDecoderOnlyOutput` with `sequences` when
     `return_dict_in_generate=True`.  Statistics are left in `drafter.last_stats`.
     """
     # 0. Inputs, checked up front.
@@ -102,11 +84,13 @@ def speculative_generate(
         validate_speculative_call(model, drafter, generation_config, input_ids,
                                   {**model_kwargs, "gdn_method": gdn_method}, own_loop=True)
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("`attention_mask` has padded positions; speculative generation takes one unpadded prompt.")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("`speculative_generate` needs the cache that `generate` prepares (use_cache=True).")
+    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):  # a batch, or a left-padded prompt
+        return batch_speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                          drafter, settings, cache, attention_mask=mask,
+                                          streamer=chainflow_streamer, gdn_method=gdn_method)
     do_sample = settings.do_sample
     max_length = generation_config.max_length
     context_size = drafter.context_size
@@ -150,7 +134,7 @@ def speculative_generate(
         if lookup is not None and not trusted:  # merged into a tree: the base length keeps the verify narrow
             lookup = lookup[: settings.lookup_num_tokens]
         if room < 1:
-            tree = _empty_tree(ids.device)
+            tree = DraftTree.empty(ids.device)
         elif trusted:  # a long match: verify the looked-up branch alone, no drafter pass
             tree = DraftTree.chain(lookup)
         else:

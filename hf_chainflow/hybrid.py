@@ -24,7 +24,9 @@ Installing: `prepare_hybrid_target(model)` swaps the ``__class__`` of each GDN m
 subclass whose ``forward`` takes the tree path when the `TREE_KWARG` kwarg is present and calls the stock
 ``forward`` otherwise. Weights, state-dict keys and plain forwards are unchanged; no class is patched globally.
 
-Batch size 1 is what `hf_chainflow.verification` uses; the maths here is written for any batch with one shared tree.
+The maths runs on a batch: one tree shared by every row (`parents` `(n,)`, what `hf_chainflow.verification` uses
+for batch size 1) or one tree per row (`parents` `(B, n)`, `ancestors` `(B, n, n)`: the batched loop of
+`hf_chainflow.batch_verification`, where every row has its own draft); commits then take one accepted input per row.
 """
 
 from __future__ import annotations
@@ -82,8 +84,11 @@ class _GDNRecord:
     new_value: torch.Tensor | None = None  # chunk: (B, HV, n, dv) the delta-rule corrections ("v_new")
     path_decay: torch.Tensor | None = None  # chunk: (B, HV, n) log-decay summed over each node's path
 
-    def state(self, node: int) -> torch.Tensor:
-        """Recurrent state after flattened input `node` (0 = root), `(B, HV, dk, dv)` in fp32."""
+    def state(self, node: int | torch.LongTensor) -> torch.Tensor:
+        """Recurrent state after flattened input `node` (0 = root; an int for every row, or one per row `(B,)`),
+        `(B, HV, dk, dv)` in fp32."""
+        if isinstance(node, torch.Tensor):
+            return self._row_states(node)
         if self.method == "fork":
             return self.states[:, :, node]
         c = self.path_decay  # (B, HV, n)
@@ -93,16 +98,35 @@ class _GDNRecord:
         update = (self.key * weight[..., None]).transpose(-1, -2) @ self.new_value  # (B, HV, dk, dv)
         return self.initial_state * c[..., node].exp()[..., None, None] + update
 
+    def _row_states(self, node: torch.LongTensor) -> torch.Tensor:
+        """`state` with one node per row, `node` `(B,)`."""
+        rows = torch.arange(node.shape[0], device=node.device)
+        if self.method == "fork":
+            return self.states[rows, :, node]  # (B, HV, dk, dv)
+        c = self.path_decay  # (B, HV, n)
+        anc = self.ancestors[rows, node] if self.ancestors.dim() == 3 else self.ancestors[node]  # (B, n)
+        c_a = c.gather(2, node[:, None, None].expand(c.shape[0], c.shape[1], 1))  # (B, HV, 1)
+        weight = torch.where(anc[:, None, :], c_a - c, float("-inf")).exp()  # (B, HV, n)
+        update = (self.key * weight[..., None]).transpose(-1, -2) @ self.new_value  # (B, HV, dk, dv)
+        return self.initial_state * c_a.exp()[..., None] + update
+
+    def windows(self, node: int | torch.LongTensor) -> torch.Tensor:
+        """Conv window after flattened input `node` (an int, or one per row `(B,)`), `(B, C, K)`."""
+        if isinstance(node, torch.Tensor):
+            return self.window[torch.arange(node.shape[0], device=node.device), :, node]
+        return self.window[:, :, node]
+
 
 @dataclass
 class HybridTreeContext:
     """Per-round tree description shared by all GDN layers, and the place they leave their commit records.
 
     Args:
-        parents (`torch.LongTensor` of shape `(n,)`): parent of each flattened input; index 0 is the root (parent
-            -1), every other input's parent has a smaller index (topological order).
-        ancestors (`torch.BoolTensor` of shape `(n, n)`): `ancestors[i, j]` is True when input `j` is `i` or one
-            of its ancestors.
+        parents (`torch.LongTensor` of shape `(n,)`, or `(B, n)` for one tree per row): parent of each flattened
+            input; index 0 is the root (parent -1), every other input's parent has a smaller index (topological
+            order).
+        ancestors (`torch.BoolTensor` of shape `(n, n)`, or `(B, n, n)`): `ancestors[..., i, j]` is True when input
+            `j` is `i` or one of its ancestors.
         method (`str`): `"chunk"` (default, tree-masked WY chunk) or `"fork"` (per-node states, reference).
     """
 
@@ -119,12 +143,29 @@ class HybridTreeContext:
 
     @property
     def num_inputs(self) -> int:
-        return int(self.parents.shape[0])
+        return int(self.parents.shape[-1])
+
+    @property
+    def per_row(self) -> bool:
+        """One tree per row (`parents` `(B, n)`) rather than one shared tree."""
+        return self.parents.dim() == 2
 
     def conv_index(self, kernel_size: int, device: torch.device) -> torch.LongTensor:
-        """`(n, K)` indices into `cat([conv_state[..., -(K-1):], x], -1)` (length `K-1+n`): node i's window along
-        its ancestor path, oldest first. Columns above the root come from the carried conv state."""
+        """`(n, K)` (per row: `(B, n, K)`) indices into `cat([conv_state[..., -(K-1):], x], -1)` (length `K-1+n`):
+        node i's window along its ancestor path, oldest first. Columns above the root come from the carried conv
+        state."""
         key = (kernel_size, str(device))
+        if key not in self._conv_index and self.per_row:
+            parents = self.parents.to(device)  # (B, n)
+            node = torch.arange(parents.shape[1], device=device).expand_as(parents)  # walks up each path
+            carried = torch.full_like(parents, kernel_size - 2)  # newest carried column not yet used
+            columns = []
+            for _ in range(kernel_size):
+                inside = node >= 0
+                columns.append(torch.where(inside, kernel_size - 1 + node, carried))
+                carried = torch.where(inside, carried, carried - 1)
+                node = torch.where(inside, parents.gather(1, node.clamp(min=0)), node)
+            self._conv_index[key] = torch.stack(columns[::-1], -1)  # (B, n, K)
         if key not in self._conv_index:
             parents = self.parents.tolist()
             rows = []
@@ -188,7 +229,13 @@ def _tree_conv(layer: nn.Module, mixed_qkv: torch.Tensor, conv_state: torch.Tens
     else:
         carried = conv_state[..., conv_state.shape[-1] - (kernel - 1) :].to(mixed_qkv.dtype)  # (B, C, K-1)
     extended = torch.cat([carried, mixed_qkv], dim=-1)  # (B, C, K-1+n)
-    window = extended[..., ctx.conv_index(kernel, mixed_qkv.device)]  # (B, C, n, K)
+    index = ctx.conv_index(kernel, mixed_qkv.device)  # (n, K), or (B, n, K) with one tree per row
+    if index.dim() == 3:
+        n = index.shape[1]
+        flat = index.reshape(bsz, 1, n * kernel).expand(bsz, channels, n * kernel)
+        window = extended.gather(2, flat).reshape(bsz, channels, n, kernel)  # (B, C, n, K)
+    else:
+        window = extended[..., index]  # (B, C, n, K)
     weight = layer.conv1d.weight.squeeze(1)  # (C, K)
     out = torch.einsum("bcnk,ck->bcn", window.to(weight.dtype), weight)  # (B, C, n)
     if layer.conv1d.bias is not None:
@@ -199,8 +246,13 @@ def _tree_conv(layer: nn.Module, mixed_qkv: torch.Tensor, conv_state: torch.Tens
 
 def _chunk_core(q, k, v, g, beta, s0, anc):
     """Tree-masked WY/UT chunk. q, k `(B, H, n, dk)`, v `(B, H, n, dv)`, g, beta `(B, H, n)`, s0 `(B, H, dk, dv)`,
-    all fp32. Returns outputs `(B, H, n, dv)` and what a commit needs to rebuild any node's state."""
-    path_decay = g @ anc.to(g.dtype).T  # (B, H, n): c_i = sum of g over i's path (root..i)
+    all fp32; `anc` `(n, n)` (one tree) or `(B, n, n)` (one per row). Returns outputs `(B, H, n, dv)` and what a
+    commit needs to rebuild any node's state."""
+    if anc.dim() == 3:  # one tree per row
+        anc = anc[:, None]  # (B, 1, n, n)
+        path_decay = (anc.to(g.dtype) @ g[..., None])[..., 0]  # (B, H, n): c_i = sum of g over i's path
+    else:
+        path_decay = g @ anc.to(g.dtype).T  # (B, H, n): c_i = sum of g over i's path (root..i)
     pair = path_decay[..., :, None] - path_decay[..., None, :]  # (B, H, n, n): c_i - c_j
     decay = pair.masked_fill(~anc, float("-inf")).exp()  # exp(c_i - c_j) on ancestors only, 0 elsewhere
     k_beta = k * beta[..., None]
@@ -223,6 +275,18 @@ def _fork_core(q, k, v, g, beta, s0, ctx: HybridTreeContext):
     states = s0.new_zeros(bsz, heads, n, dk, dv)
     out = v.new_zeros(bsz, heads, n, dv)
     parents = ctx.parents.to(q.device)
+    if ctx.per_row:  # one tree per row: node by node (topological order), each from its own row's parent
+        rows = torch.arange(bsz, device=q.device)
+        for i in range(n):
+            par = parents[:, i]  # (B,)
+            state = torch.where((par < 0)[:, None, None, None], s0, states[rows, :, par.clamp(min=0)])
+            state = state * g[..., i].exp()[..., None, None]  # (B, H, dk, dv)
+            kv_mem = (state * k[:, :, i, :, None]).sum(-2)  # (B, H, dv)
+            delta = (v[:, :, i] - kv_mem) * beta[..., i, None]
+            state = state + k[:, :, i, :, None] * delta[..., None, :]
+            out[:, :, i] = (state * q[:, :, i, :, None]).sum(-2)
+            states[:, :, i] = state
+        return out, states
     for level in ctx.levels():
         level = level.to(q.device)
         par = parents[level]
@@ -425,9 +489,10 @@ def _tree_class(cls: type) -> type:
 # --------------------------------------------------------------------------------------------------------------
 # Commit
 # --------------------------------------------------------------------------------------------------------------
-def commit_hybrid_states(cache: Cache, ctx: HybridTreeContext, last: int) -> None:
+def commit_hybrid_states(cache: Cache, ctx: HybridTreeContext, last: int | torch.LongTensor) -> None:
     """Make every GDN layer's cached conv window and recurrent state those after flattened input `last` (0 = the
-    root, `i + 1` = tree node `i`). Copies in place (`copy_`) when the cache already holds states."""
+    root, `i + 1` = tree node `i`; an int for every row, or one per row `(B,)`). Copies in place (`copy_`) when the
+    cache already holds states."""
     if not ctx.records:
         raise ValueError("The `HybridTreeContext` holds no layer records: run the verify forward with it first.")
     for layer_idx, record in ctx.records.items():  # validate everything before writing anything
@@ -442,7 +507,7 @@ def commit_hybrid_states(cache: Cache, ctx: HybridTreeContext, last: int) -> Non
                 )
     for layer_idx, record in ctx.records.items():
         layer = cache.layers[layer_idx]
-        window = record.window[:, :, last]  # (B, C, K)
+        window = record.windows(last)  # (B, C, K)
         state = record.state(last)  # (B, HV, dk, dv)
         if layer.has_previous_state[0]:
             layer.conv_states[0].copy_(window)

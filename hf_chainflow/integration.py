@@ -8,7 +8,9 @@ transformers has no registry for third-party candidate generators.  Two class at
   up front (`validate_speculative_call`, before anything changes), then either lets transformers' assisted-decoding
   loop run (chain drafting on dense targets) or routes the call to hf_chainflow's own loop through transformers'
   `custom_generate` hook (tree mode, a lookup branch, hybrid/stateful targets, stop strings and custom stopping
-  criteria, which a multi-token commit in transformers' loop could overshoot), handing either loop the settings.
+  criteria, which a multi-token commit in transformers' loop could overshoot; a batch of more than one prompt or a
+  left-padded one), handing either loop the settings; a batch above the drafter's `max_speculative_batch_size`
+  runs plain `generate` (the same output) and says so in `drafter.last_stats`.
 - `_get_candidate_generator`: returns a `ChainFlowCandidateGenerator` for a ChainFlow drafter.
 
 Both wrappers bind their arguments against transformers' own signatures (`inspect.signature`), so every argument
@@ -23,6 +25,7 @@ import copy
 import functools
 import inspect
 
+import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
@@ -30,6 +33,7 @@ from transformers.generation.utils import GenerationMixin
 from .candidate_generator import ChainFlowCandidateGenerator
 from .decoding import speculative_generate
 from .settings import SpeculativeSettings, validate_speculative_call
+from .stats import SpeculativeStats
 
 
 def is_chainflow_drafter(obj) -> bool:
@@ -101,9 +105,13 @@ def _generate(self, *args, **kwargs):
     input_ids = inputs if inputs is not None else extra.get("input_ids")
     config = effective_generation_config(self, call.get("generation_config"), extra)
     settings = SpeculativeSettings.from_drafter(drafter, config)  # the drafting settings, read and checked once
-    own = direct or settings.needs_own_loop(self, config, call.get("stopping_criteria"))
+    batch, padded = _batch_shape(input_ids, extra.get("attention_mask"))
+    own = direct or batch > 1 or padded or settings.needs_own_loop(self, config, call.get("stopping_criteria"))
     with bound_for_the_call(self, drafter):
-        validate_speculative_call(self, drafter, config, input_ids, extra, own_loop=own)
+        validate_speculative_call(self, drafter, config, input_ids, {**extra, "streamer": call.get("streamer")},
+                                  own_loop=own)
+        if settings.max_batch_size is not None and batch > settings.max_batch_size:
+            return _generate_without_drafting(self, call, extra, drafter, settings, batch, direct)
         if not own:  # transformers' assisted loop; its candidate generator takes the settings from here
             token = _CALL_SETTINGS.set((drafter, settings))
             try:
@@ -116,6 +124,37 @@ def _generate(self, *args, **kwargs):
             extra["drafter"] = drafter
         streamer = call.pop("streamer", None)  # transformers hands a `custom_generate` loop no streamer
         return _original_generate(self, **call, chainflow_streamer=streamer, chainflow_settings=settings, **extra)
+
+
+def _batch_shape(input_ids, attention_mask) -> tuple[int, bool]:
+    """Rows in the call, and whether its attention mask pads any of them."""
+    if input_ids is None or input_ids.dim() != 2:
+        return 1, False
+    padded = attention_mask is not None and isinstance(attention_mask, torch.Tensor) and not bool(attention_mask.all())
+    return int(input_ids.shape[0]), padded
+
+
+def _generate_without_drafting(model, call: dict, extra: dict, drafter, settings, batch: int, direct: bool):
+    """Plain `generate` for a batch above `max_speculative_batch_size` (the same output: speculative decoding is
+    exact); `drafter.last_stats` says so."""
+    call = {k: v for k, v in call.items() if k not in ("assistant_model", "custom_generate")}
+    extra = {k: v for k, v in extra.items() if not (direct and k in ("drafter", "gdn_method"))}
+    stats = SpeculativeStats(mode=settings.mode, loop="plain", batch_size=batch, speculative=False,
+                             reason=f"batch of {batch} > drafter.generation_config.max_speculative_batch_size="
+                                    f"{settings.max_batch_size}: decoded without drafting")
+    drafter.last_stats = stats
+    out = _original_generate(model, **call, **extra)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    inputs = call.get("inputs") if call.get("inputs") is not None else extra.get("input_ids")
+    new = sequences[:, inputs.shape[1]:]  # (B, n): a row that ended on EOS is filled after it
+    eos = effective_generation_config(model, call.get("generation_config"), extra).eos_token_id
+    if eos is not None and new.shape[1]:
+        ended = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos], device=new.device))
+        after = ended.long().cumsum(1) - ended.long() > 0  # positions after a row's first EOS
+        stats.new_tokens = int((~after).sum())
+    else:
+        stats.new_tokens = int(new.numel())
+    return out
 
 
 def _with_stop_strings(config: GenerationConfig, stopping_criteria, kwargs: dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, PreTrainedMode
 from transformers.utils import ModelOutput
 
 from .configuration_chainflow import ChainFlowConfig
-from .search import candidate_search
+from .drafting_round import CompiledDraftingRound, drafting_round
+from .search import DraftBatch, ServingTables, candidate_search, committed_tails, search_levels
 from .settings import SearchSettings, check_num_flow_steps
 from .tree import DraftTree
 
@@ -604,16 +606,32 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             self._serving_feedback_cache = (key, (fused, bias))
         return self._serving_feedback_cache[1]
 
+    def serving_tables(self) -> ServingTables:
+        """The tensors one search reads besides the layers (`hf_chainflow.search.ServingTables`), from the caches
+        above; gathered once per round, outside the (compiled) drafting round."""
+        self._require_bound()
+        embed = self._bound["embed"].weight.detach()
+        if self.config.shortlist is None:
+            to_draft = to_token = None
+        else:
+            to_draft, to_token = self._draft_index_lut(embed.device), self.shortlist_ids.to(embed.device)
+        return ServingTables(head=self.serving_head_weight(), folded=self.serving_feedback_weight(), embed=embed,
+                             to_draft=to_draft, to_token=to_token, dtype=self.dtype)
+
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
         if self.config.shortlist is None:
             return tokens
+        return self._draft_index_lut(tokens.device)[tokens]
+
+    def _draft_index_lut(self, device) -> torch.Tensor:
+        """`(V,)` vocabulary id -> draft index (`S` outside the shortlist), cached per device."""
         lut = getattr(self, "_lut", None)
-        if lut is None or lut.device != tokens.device:
-            lut = torch.full((self.config.vocab_size,), self.draft_vocab_size, dtype=torch.long, device=tokens.device)
-            lut[self.shortlist_ids.to(tokens.device)] = torch.arange(self.draft_vocab_size, device=tokens.device)
+        if lut is None or lut.device != device:
+            lut = torch.full((self.config.vocab_size,), self.draft_vocab_size, dtype=torch.long, device=device)
+            lut[self.shortlist_ids.to(device)] = torch.arange(self.draft_vocab_size, device=device)
             self._lut = lut
-        return lut[tokens]
+        return lut
 
     def _draft_index_to_token(self, index: torch.Tensor) -> torch.Tensor:
         if self.config.shortlist is None:
@@ -839,6 +857,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         num_flow_steps: int | None = None,
         do_sample: bool = False,
         temperature: float = 1.0,
+        compile: bool | None = None,
     ) -> DraftTree:
         """One drafting round (batch size 1): one drafter pass, then candidate search (`hf_chainflow.search`).
 
@@ -849,6 +868,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             tree_budget: trees only; keep the `tree_budget` nodes of highest path probability (`None`: all).
             do_sample: chains only; sample each token from the draft distribution (at `temperature`) and return
                 the per-position distributions in `DraftTree.draft_probs`.
+            compile: run the round compiled (`hf_chainflow.drafting_round`; greedy drafts from a full context of
+                `C` states); `None`: `generation_config.compile_drafting` (default False).
         """
         self._require_bound()
         settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
@@ -865,8 +886,80 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
             raise ValueError(f"`input_ids` must be the committed token ids of shape (1, L) with L >= 1 (batch size "
                              f"1; the last id is the bonus token), got {shape}; e.g. `ids[None]` for a 1-D `ids`.")
-        states = self.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (1, K, D)
-        return candidate_search(self, states, input_ids, settings).tree(0)
+        if compile is None:
+            compile = getattr(self.generation_config, "compile_drafting", False)
+        if not isinstance(compile, bool):
+            raise ValueError(f"`compile` (or `drafter.generation_config.compile_drafting`) must be True or False, got "
+                             f"{compile!r}.")
+        C, p = self.config.context_size, self.config.path_order
+        tails = committed_tails(input_ids, p, self.config.pad_token_id or 0)  # (1, p)
+        if compile and not do_sample and hidden_states.shape[1] >= C:
+            if getattr(self, "_compiled_round", None) is None:
+                self._compiled_round = CompiledDraftingRound()
+            # fresh copies: a view's strides are guards of the compiled graph (a window of a longer buffer would
+            # recompile on every new buffer length), and `contiguous()` keeps the stride of a size-1 batch dim
+            window = hidden_states[:, -C:]
+            out = self._compiled_round(self, self.serving_tables(), window.new_empty(window.shape).copy_(window),
+                                       tails.new_empty(tails.shape).copy_(tails), settings, num_flow_steps)
+        else:
+            out = drafting_round(self, self.serving_tables(), hidden_states, tails, settings, num_flow_steps)
+        return DraftBatch(*out).tree(0)
+
+    @torch.no_grad()
+    def draft_batch(self, hidden_states: torch.FloatTensor, committed: list[torch.LongTensor],
+                    context_mask: torch.BoolTensor | None = None, *, mode: str = "chain", num_tokens: int = 3,
+                    tree_width: int = 8, tree_depth: int = 4, tree_budget: int | None = None,
+                    num_flow_steps: int | None = None, do_sample: bool = False,
+                    temperature: float = 1.0) -> list[DraftTree]:
+        """One drafting round for `B` rows in one drafter pass (the batched speculative loop).
+
+        Args:
+            hidden_states (`(B, T, D)`): each row's last committed target states, left-padded where a row has fewer
+                than `T` (`context_mask` `(B, T)`, True = a state; `None`: every state is one).
+            committed: each row's committed tokens `(L_b,)`, unpadded; the last one is the row's root.
+            The other arguments are `draft`'s, shared by every row. Returns one `DraftTree` per row.
+        """
+        self._require_bound()
+        settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
+                                  tree_budget=tree_budget, do_sample=do_sample, temperature=temperature,
+                                  max_depth=self.max_draft_depth)
+        B, D = len(committed), self.config.target_hidden_size
+        if hidden_states.dim() != 3 or hidden_states.shape[0] != B or hidden_states.shape[2] != D:
+            raise ValueError(f"`hidden_states` must have shape ({B}, T, {D}) (one row per committed sequence), got "
+                             f"{tuple(hidden_states.shape)}.")
+        if context_mask is not None and tuple(context_mask.shape) != tuple(hidden_states.shape[:2]):
+            raise ValueError(f"`context_mask` must have shape {tuple(hidden_states.shape[:2])}, got "
+                             f"{tuple(context_mask.shape)}.")
+        p, pad = self.config.path_order, self.config.pad_token_id or 0
+        tails = torch.cat([committed_tails(ids[None], p, pad) for ids in committed])  # (B, p)
+        states = self.predict_states(hidden_states, context_mask=context_mask, num_flow_steps=num_flow_steps)
+        batch = DraftBatch(*search_levels(self, self.serving_tables(), states, tails, settings))
+        return [batch.tree(i) for i in range(B)]
+
+    @property
+    def compiled_round(self):
+        """The compiled drafting rounds of this drafter (`hf_chainflow.drafting_round.CompiledDraftingRound`: its
+        `compile_time` and keys), `None` before the first compiled round."""
+        return getattr(self, "_compiled_round", None)
+
+    def warm_up_drafting(self, settings) -> float:
+        """Compile the drafting round for `settings` (a `SpeculativeSettings` or `SearchSettings`-like object with
+        `draft_kwargs`) at a full context and every depth a round can be capped to, outside any timed region;
+        returns the seconds it took (0 when `compile_drafting` is off)."""
+        if not getattr(self.generation_config, "compile_drafting", False):
+            return 0.0
+        start = time.perf_counter()
+        C, D = self.config.context_size, self.config.target_hidden_size
+        self._require_bound()
+        # The states arrive in the target's dtype (a key of the compiled round).
+        states = torch.zeros(1, C, D, device=self.device, dtype=self._bound["lm_head"].weight.dtype)
+        ids = torch.zeros(1, self.config.path_order + 1, dtype=torch.long, device=self.device)
+        kwargs = settings.draft_kwargs(10 ** 6)
+        if not kwargs["do_sample"]:
+            depth = kwargs["num_tokens"] if kwargs["mode"] == "chain" else kwargs["tree_depth"]
+            for room in range(1, depth + 1):
+                self.draft(states, ids, **settings.draft_kwargs(room), compile=True)
+        return time.perf_counter() - start
 
     @torch.no_grad()
     def search(self, states, committed, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,

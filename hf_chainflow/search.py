@@ -22,6 +22,7 @@ best and return `q`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,33 @@ class DraftBatch:
         """Window `i`'s draft as a `DraftTree`."""
         return DraftTree(tokens=self.tokens[i], parents=self.parents[i], depths=self.depths[i], logprobs=self.logprobs[i],
                          draft_probs=None if self.draft_probs is None else self.draft_probs[i])
+
+
+class ServingTables(NamedTuple):
+    """The tensors a search reads besides the drafter's layers, gathered once per round before it runs (so that the
+    search itself is a pure tensor function that `torch.compile` can trace; `ChainFlowDrafter.serving_tables`).
+
+    head (`(S, D)`): `serving_head_weight()`. folded: `serving_feedback_weight()` (`None`: term by term).
+    embed (`(V, D)`): the target's input embeddings. to_draft (`(V,)`): vocabulary id -> draft index (`None`: no
+    shortlist). to_token (`(S,)`): draft index -> vocabulary id (`None`: no shortlist).
+    """
+
+    head: torch.Tensor
+    folded: tuple[torch.Tensor, torch.Tensor] | None
+    embed: torch.Tensor
+    to_draft: torch.Tensor | None
+    to_token: torch.Tensor | None
+    dtype: torch.dtype
+
+    def embed_tokens(self, tokens):
+        """Frozen target embeddings of `tokens` `(...)` -> `(..., D)` in the drafter's dtype."""
+        return F.embedding(tokens, self.embed).to(self.dtype)
+
+    def draft_index(self, tokens):
+        return tokens if self.to_draft is None else self.to_draft[tokens]
+
+    def token(self, index):
+        return index if self.to_token is None else self.to_token[index]
 
 
 def level_sizes(settings: SearchSettings, branching: int) -> list[int]:
@@ -84,15 +112,15 @@ def candidate_rows(states: torch.Tensor, weight: torch.Tensor, budget: int):
     return rows, scores.gather(2, rows[:, None, :].expand(B, d, budget))  # (B, M), (B, d, M)
 
 
-def folded_feedback_logits(drafter, states: torch.Tensor, parents: torch.LongTensor, fused: torch.Tensor,
-                           bias: torch.Tensor) -> torch.Tensor:
+def folded_feedback_logits(drafter, tables: ServingTables, states: torch.Tensor, parents: torch.LongTensor,
+                           fused: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The feedback terms of Eq. 3 with the folded heads (`serving_feedback_weight`): `states` `(n, D)` (one per
     parents row, may be an expanded view), `parents` `(n, p)` -> `(n, S)`, float32."""
     feats = []
     if drafter.path_head is not None:
-        feats.append(drafter.path_head.hidden(drafter._embed(parents), states))  # (n, R)
+        feats.append(drafter.path_head.hidden(tables.embed_tokens(parents), states))  # (n, R)
     if drafter.markov_head is not None:
-        feats.append(drafter.markov_head.u1(drafter._token_to_draft_index(parents[:, -1])))  # (n, r)
+        feats.append(drafter.markov_head.u1(tables.draft_index(parents[:, -1])))  # (n, r)
     x = torch.cat(feats, -1).to(fused.dtype)  # (n, R + r)
     return F.linear(x, fused).float() + bias  # (n, S)
 
@@ -106,7 +134,7 @@ def _rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([F.linear(x[i], weight[i]) for i in range(x.shape[0])]).float()
 
 
-def _termwise_logits(drafter, states, parents, head, full, rows):
+def _termwise_logits(drafter, tables, states, parents, head, full, rows):
     """Eq. 3 term by term (the feedback heads not folded: a LoRA adapter wraps `path_head.out`, or no feedback):
     `states` `(B*n, D)`, `parents` `(B*n, p)`, `head` `(B, n, M or S)` -> `(B, n, M or S)`."""
     B, n = head.shape[:2]
@@ -114,10 +142,10 @@ def _termwise_logits(drafter, states, parents, head, full, rows):
         return drafter.feedback_logits(states, parents, full, head_logits=head.reshape(B * n, -1)).reshape(B, n, -1)
     logits = head
     if drafter.path_head is not None:
-        r = drafter.path_head(drafter._embed(parents), states).reshape(B, n, -1)  # (B, n, D)
+        r = drafter.path_head(tables.embed_tokens(parents), states).reshape(B, n, -1)  # (B, n, D)
         logits = logits + _rows_product(r, full[rows])  # (B, n, M)
     if drafter.markov_head is not None:
-        u1 = drafter.markov_head.u1(drafter._token_to_draft_index(parents[:, -1])).reshape(B, n, -1)  # (B, n, r)
+        u1 = drafter.markov_head.u1(tables.draft_index(parents[:, -1])).reshape(B, n, -1)  # (B, n, r)
         logits = logits + _rows_product(u1, drafter.markov_head.u2[rows])
     return logits
 
@@ -128,18 +156,28 @@ def candidate_search(drafter, states: torch.Tensor, committed: torch.LongTensor,
     """Draft for `B` windows: predicted states `(B, >=depth, D)` and committed tokens `(B, L)` (the last is the bonus
     token, the root) -> `DraftBatch`. `drafter` is a bound `ChainFlowDrafter`."""
     cfg = drafter.config
+    tails = committed_tails(committed, cfg.path_order, cfg.pad_token_id or 0)  # (B, p)
+    return DraftBatch(*search_levels(drafter, drafter.serving_tables(), states, tails, settings))
+
+
+def search_levels(drafter, tables: ServingTables, states: torch.Tensor, tails: torch.LongTensor,
+                  settings: SearchSettings) -> tuple:
+    """`candidate_search` on the committed tails `(B, p)` with the round's `tables`, as a pure tensor function
+    (every shape fixed by the settings; `hf_chainflow.drafting_round` compiles it) -> the `DraftBatch` fields
+    `(tokens, parents, depths, logprobs, draft_probs)`."""
+    cfg = drafter.config
     B, D, p = states.shape[0], states.shape[-1], cfg.path_order
     depth, width = settings.depth, settings.width
     branching = 1 if settings.mode == "chain" else min(cfg.tree_branching, width)
     device = states.device
-    full = drafter.serving_head_weight()  # (S, D)
+    full = tables.head  # (S, D)
     rows, head = candidate_rows(states[:, :depth], full, cfg.candidate_budget)  # (B, M) | None, (B, d, M)
-    folded = drafter.serving_feedback_weight()  # (S, R + r), (S,) | None: scored whole, then restricted to the rows
+    folded = tables.folded  # (S, R + r), (S,) | None: scored whole, then restricted to the rows
     # (cheaper on CPU than gathering M rows of the matrix every round)
     budget = settings.budget
     cut = budget is not None and budget < sum(level_sizes(settings, cfg.tree_branching))
 
-    beams = committed_tails(committed, p, cfg.pad_token_id or 0)[:, None]  # (B, n=1, p)
+    beams = tails[:, None]  # (B, n=1, p)
     score = states.new_zeros(B, 1, dtype=torch.float32)  # (B, n) cumulative log-probability of each beam
     score64 = score.double()  # the same in float64, for the budget cut (ranked as `DraftTree.cumulative_logprobs`)
     node = torch.full((B, 1), -1, dtype=torch.long, device=device)  # (B, n) each beam's node index, -1 = root
@@ -149,12 +187,12 @@ def candidate_search(drafter, states: torch.Tensor, committed: torch.LongTensor,
         n = beams.shape[1]
         flat, state = beams.reshape(B * n, p), states[:, d, None].expand(B, n, D).reshape(B * n, D)
         if folded is not None:
-            logits = folded_feedback_logits(drafter, state, flat, *folded).reshape(B, n, -1)  # (B, n, S)
+            logits = folded_feedback_logits(drafter, tables, state, flat, *folded).reshape(B, n, -1)  # (B, n, S)
             if rows is not None:
                 logits = logits.gather(2, rows[:, None, :].expand(B, n, rows.shape[1]))  # (B, n, M)
             logits = logits + head[:, d, None]
         else:
-            logits = _termwise_logits(drafter, state, flat, head[:, d, None].expand(B, n, -1), full, rows)
+            logits = _termwise_logits(drafter, tables, state, flat, head[:, d, None].expand(B, n, -1), full, rows)
         if settings.do_sample:  # chains: n = 1
             q = torch.softmax(logits.float() / settings.temperature, -1)  # (B, 1, M)
             choice = torch.multinomial(q.reshape(B, -1), 1)[:, None]  # (B, 1, 1)
@@ -166,7 +204,7 @@ def candidate_search(drafter, states: torch.Tensor, committed: torch.LongTensor,
         keep = cum.topk(min(width, cum.shape[1]), -1).indices  # (B, w)
         src = keep // choice.shape[2]  # (B, w) the beam each kept path extends
         idx = choice.reshape(B, -1).gather(1, keep)  # (B, w) candidate index
-        tok = drafter._draft_index_to_token(idx if rows is None else rows.gather(1, idx))  # (B, w) vocabulary ids
+        tok = tables.token(idx if rows is None else rows.gather(1, idx))  # (B, w) vocabulary ids
         w = tok.shape[1]
         logp = logp.reshape(B, -1).gather(1, keep)  # (B, w)
         tokens.append(tok)
@@ -181,19 +219,17 @@ def candidate_search(drafter, states: torch.Tensor, committed: torch.LongTensor,
         beams = torch.cat([beams.gather(1, src[:, :, None].expand(B, w, p))[:, :, 1:], tok[:, :, None]], 2)
         score = cum.gather(1, keep)
 
-    out = DraftBatch(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), depths=torch.cat(depths, 1),
-                     logprobs=torch.cat(logps, 1))  # (B, N)
+    out = [torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(depths, 1), torch.cat(logps, 1), None]  # (B, N)
     if settings.do_sample:
         q = torch.stack(qs, 1)  # (B, N, M or S)
-        ids = drafter._draft_index_to_token(rows if rows is not None else torch.arange(q.shape[2], device=device))
+        ids = tables.token(rows if rows is not None else torch.arange(q.shape[2], device=device))
         ids = ids.expand(B, -1)[:, None, :].expand_as(q)  # (B, N, M or S) vocabulary id of each column
-        out.draft_probs = q.new_zeros(B, q.shape[1], cfg.vocab_size).scatter_(2, ids, q)  # (B, N, V)
+        out[4] = q.new_zeros(B, q.shape[1], cfg.vocab_size).scatter_(2, ids, q)  # (B, N, V)
     if cut:
         index = keep_most_probable(torch.cat(cums, 1).float(), budget)  # (B, budget), breadth-first
-        out = DraftBatch(tokens=out.tokens.gather(1, index), parents=take_parents(out.parents, index),
-                         depths=out.depths.gather(1, index), logprobs=out.logprobs.gather(1, index))
-    return out
+        out = [out[0].gather(1, index), take_parents(out[1], index), out[2].gather(1, index),
+               out[3].gather(1, index), None]
+    return tuple(out)
 
-
-__all__ = ["DraftBatch", "candidate_rows", "candidate_search", "committed_tails", "folded_feedback_logits",
-           "level_sizes"]
+__all__ = ["DraftBatch", "ServingTables", "candidate_rows", "candidate_search", "committed_tails",
+           "folded_feedback_logits", "level_sizes", "search_levels"]

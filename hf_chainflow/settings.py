@@ -167,10 +167,15 @@ class SpeculativeSettings:
     do_sample: bool = False
     temperature: float = 1.0
     max_depth: int | None = None
+    max_batch_size: int | None = None
 
     def __post_init__(self):
         if self.mode not in DRAFT_MODES:
             raise ValueError(f"`{_CONFIG}draft_mode` must be 'chain' or 'tree', got {self.mode!r}.")
+        limit = self.max_batch_size
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise ValueError(f"`{_CONFIG}max_speculative_batch_size` must be None (draft at every batch size) or a "
+                             f"positive integer (a larger batch decodes without drafting), got {limit!r}.")
         lookup_settings(self)
         check_num_flow_steps(self.num_flow_steps, f"{_CONFIG}num_flow_steps")
         for name, value in (("num_assistant_tokens", self.num_tokens), ("tree_depth", self.tree_depth),
@@ -215,7 +220,8 @@ class SpeculativeSettings:
                    tree_budget=getattr(g, "tree_budget", None), num_flow_steps=getattr(g, "num_flow_steps", None),
                    **lookup_settings(g), do_sample=do_sample,
                    temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
-                   max_depth=drafter.max_draft_depth)
+                   max_depth=drafter.max_draft_depth,
+                   max_batch_size=getattr(g, "max_speculative_batch_size", None))
 
     @property
     def sample_drafts(self) -> bool:
@@ -252,6 +258,27 @@ def is_stateful_target(model) -> bool:
     return bool(getattr(model, "_is_stateful", False))
 
 
+def check_attention_mask(input_ids, attention_mask) -> None:
+    """A speculative call's `attention_mask` must match `input_ids` `(B, L)`, hold only 0 and 1, pad on the left only
+    (every row ends on a token) and leave every row at least one token. Raises `ValueError`; pure."""
+    shape = tuple(getattr(attention_mask, "shape", ()))
+    if shape != tuple(input_ids.shape):
+        raise ValueError(f"`attention_mask` has shape {shape} but `input_ids` has shape {tuple(input_ids.shape)}; "
+                         f"pass the mask the tokenizer returned with these ids (one entry per token).")
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (a token); pass the tokenizer's mask.")
+    keep = attention_mask != 0
+    empty = (~keep.any(1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"`attention_mask` rows {empty} hold no token (all padding); every prompt needs at least "
+                         f"one token.")
+    bad = (keep[:, :-1] & ~keep[:, 1:]).any(1).nonzero().flatten().tolist()  # a token followed by padding
+    if bad:
+        raise ValueError(f"`attention_mask` rows {bad} are padded on the right (or inside); speculative generation "
+                         f"takes left-padded batches, as `generate` does for decoder-only models. Set "
+                         f"`tokenizer.padding_side = 'left'` before tokenizing.")
+
+
 def validate_speculative_call(model, drafter, generation_config, input_ids, kwargs: dict, own_loop: bool) -> None:
     """Every check of a ChainFlow `generate` call but the drafting settings (`SpeculativeSettings`), before anything
     runs: `generation_config` is the one `generate` will use, `kwargs` the call's other arguments. Raises
@@ -259,11 +286,23 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
     from transformers import DynamicCache
 
     drafter.check_target(model)
-    if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] != 1:
-        raise ValueError(
-            f"ChainFlow speculative generation supports batch size 1 (as transformers' assisted decoding does), "
-            f"got a batch of {input_ids.shape[0]}. Call `generate` once per prompt."
-        )
+    if input_ids is not None and input_ids.dim() == 2:
+        mask = kwargs.get("attention_mask")
+        if mask is None and input_ids.shape[0] > 1 and generation_config.pad_token_id is not None:
+            pad = generation_config.pad_token_id
+            pad = pad if isinstance(pad, int) else int(pad.reshape(-1)[0])
+            if bool((input_ids == pad).any()):
+                raise ValueError(
+                    f"`input_ids` is a batch of {input_ids.shape[0]} holding the pad token id {pad} but no "
+                    f"`attention_mask` was given, so padding cannot be told from text. Pass the attention mask the "
+                    f"tokenizer returns (`tokenizer(prompts, padding=True, return_tensors='pt')` with "
+                    f"`tokenizer.padding_side = 'left'`): `generate(**inputs, assistant_model=drafter)`."
+                )
+        if mask is not None:
+            check_attention_mask(input_ids, mask)
+        if input_ids.shape[0] > 1 and kwargs.get("streamer") is not None:
+            raise ValueError(f"A streamer takes one sequence; got a batch of {input_ids.shape[0]}. Generate without "
+                             f"`streamer`, or one prompt at a time.")
     if (generation_config.num_beams or 1) > 1:
         raise ValueError(
             f"`num_beams` must be 1 with a ChainFlow drafter (speculative decoding is greedy or sampling), "
@@ -359,5 +398,5 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
 
 
 __all__ = ["DRAFT_MODES", "SUPPORTED_ATTN_IMPLEMENTATIONS", "SearchSettings", "SpeculativeSettings",
-           "check_num_flow_steps", "is_stateful_target", "lookup_settings", "parse_tree_shape",
+           "check_attention_mask", "check_num_flow_steps", "is_stateful_target", "lookup_settings", "parse_tree_shape",
            "validate_speculative_call"]

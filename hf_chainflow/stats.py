@@ -18,6 +18,12 @@ class SpeculativeStats:
         prefill_time: seconds of the prompt forward.
         lookup_rounds / lookup_only_rounds: rounds with a prompt-lookup branch / verified on that branch alone.
         longest_lookup: the longest looked-up branch verified (it grows with `lookup_max_tokens`).
+        batch_size: rows in the call. rows: per-row statistics of a batched call (one `SpeculativeStats` per row,
+            in input order; empty for a single unpadded prompt); this object then pools them: `accepted` and
+            `drafted_depth` hold every row's rounds, so `tau` is the tokens a row commits per round.
+        forwards: target verify forwards of a batched call (one per round for the whole batch).
+        speculative: False when the call decoded without drafting (`reason` says why, e.g. a batch above
+            `drafter.generation_config.max_speculative_batch_size`).
     """
 
     mode: str = "chain"
@@ -31,6 +37,24 @@ class SpeculativeStats:
     lookup_rounds: int = 0
     lookup_only_rounds: int = 0
     longest_lookup: int = 0
+    batch_size: int = 1
+    rows: list["SpeculativeStats"] = field(default_factory=list)
+    forwards: int = 0
+    speculative: bool = True
+    reason: str | None = None
+
+    @classmethod
+    def pooled(cls, rows: list["SpeculativeStats"], forwards: int, **fields) -> "SpeculativeStats":
+        """The statistics of a batched call from its rows' (times and `fields` as given)."""
+        out = cls(batch_size=len(rows), rows=list(rows), forwards=forwards, **fields)
+        for r in rows:
+            out.accepted += r.accepted
+            out.drafted_depth += r.drafted_depth
+            out.new_tokens += r.new_tokens
+            out.lookup_rounds += r.lookup_rounds
+            out.lookup_only_rounds += r.lookup_only_rounds
+            out.longest_lookup = max(out.longest_lookup, r.longest_lookup)
+        return out
 
     @property
     def rounds(self) -> int:
@@ -64,6 +88,8 @@ class SpeculativeStats:
             "draft_time": self.draft_time, "verify_time": self.verify_time, "prefill_time": self.prefill_time,
             "new_tokens": self.new_tokens, "lookup_rounds": self.lookup_rounds,
             "lookup_only_rounds": self.lookup_only_rounds, "longest_lookup": self.longest_lookup,
+            "batch_size": self.batch_size, "forwards": self.forwards, "speculative": self.speculative,
+            "reason": self.reason, "rows": [r.to_dict() for r in self.rows],
         }
 
 

@@ -154,3 +154,8 @@ class OracleDrafter:
         tree = DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
                          depths=torch.tensor(depths, device=device), logprobs=torch.zeros(len(tokens), device=device))
         return tree if tree_budget is None else tree.top_nodes(tree_budget)  # equal scores: breadth-first prefix
+
+    def draft_batch(self, hidden_states, committed, context_mask=None, **kwargs):
+        """`draft` for each row's committed tokens `(L_b,)` (the batched loop's drafting call); the states are not
+        read."""
+        return [self.draft(None, ids[None], **kwargs) for ids in committed]

@@ -61,6 +61,12 @@ class DraftTree:
         return bool(torch.equal(self.parents, expected))
 
     @classmethod
+    def empty(cls, device=None) -> "DraftTree":
+        """A draft of no nodes (a round with no room left to draft)."""
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(tokens=none, parents=none.clone(), depths=none.clone(), logprobs=torch.zeros(0, device=device))
+
+    @classmethod
     def chain(cls, tokens: torch.LongTensor, logprobs: torch.FloatTensor | None = None,
               draft_probs: torch.FloatTensor | None = None) -> "DraftTree":
         n = int(tokens.shape[0])

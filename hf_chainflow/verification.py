@@ -29,6 +29,8 @@ Public API
   accepted with probability `p[x] / sum(p)`, a rejected child's token removed from `p`; the bonus is drawn from
   what is left. Needs no draft distribution.
   Randomness (both): `torch.rand` / `torch.multinomial` on the default generator (seed with `torch.manual_seed`).
+- `processed_rows(logits_processor, committed, tree, logits) -> (n, V)`: a call's logits processors applied to each
+  verified row with its own prefix (committed tokens + the node's ancestor path); `process_row` for one row.
 - `commit(target, cache, past_len, accepted, handle) -> None`: cache := prefix + root + accepted nodes. Attention
   KV is gathered on the sequence dim; GDN conv window / recurrent state become those after the last accepted node
   (copied in place). Call it right after `verify_forward`, before any other forward on the cache.
@@ -72,6 +74,8 @@ __all__ = [
     "accept_greedy",
     "accept_sampling",
     "accept_sampling_tree",
+    "process_row",
+    "processed_rows",
     "commit",
 ]
 
@@ -429,6 +433,25 @@ def _probs_at(target_probs: torch.Tensor | Callable[[int], torch.Tensor],
             f"{tuple(target_probs.shape)}."
         )
     return target_probs.__getitem__
+
+
+def process_row(logits_processor, prefix: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:
+    """Apply a call's logits processors to one row `(V,)` given its full prefix `(L,)` -> float32 `(V,)`."""
+    row = logits.float()[None]
+    if logits_processor is not None and len(logits_processor) > 0:
+        row = logits_processor(prefix[None], row)
+    return row[0]
+
+
+def processed_rows(logits_processor, committed: torch.LongTensor, tree: DraftTree, logits: torch.Tensor):
+    """Processed logits `(n, V)` of root + nodes, each with its own prefix (committed + ancestor path)."""
+    if logits_processor is None or len(logits_processor) == 0:
+        return logits.float()
+    rows = [process_row(logits_processor, committed, logits[0])]
+    for i in range(tree.num_nodes):
+        path = tree.tokens[tree.path_to(i)].to(committed.device)
+        rows.append(process_row(logits_processor, torch.cat([committed, path]), logits[i + 1]))
+    return torch.stack(rows)
 
 
 # --------------------------------------------------------------------------------------------------------------

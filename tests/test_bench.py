@@ -18,6 +18,7 @@ from hf_chainflow.bench import (
     markdown_table,
     run_bench,
     stratified_selection,
+    warm_up_arms,
     write_results,
 )
 from hf_chainflow.commands.bench import _parse_extra_drafters, _parse_tree
@@ -161,6 +162,10 @@ def test_run_bench_tiny_target(tmp_path):
     assert len(arms_out["tree@float32"]["per_domain"]["math"]["acceptance_per_depth"]) == 3
     assert len(arms_out["chain@float32"]["acceptance_per_depth"]) == 3  # the oracle's num_assistant_tokens
     assert arms_out["chain@float32"]["draft_time_per_round"] > 0
+    # drafting per round against one plain step: seconds per round x the same-dtype ar arm's tokens per second
+    chain, ar = arms_out["chain@float32"], arms_out["ar@float32"]
+    assert chain["draft_ratio"] == pytest.approx(chain["draft_time_per_round"] * ar["tokens_per_second"])
+    assert ar["draft_ratio"] is None
     assert loaded["settings"]["arms"]["tree@float32"]["tree_width"] == 3
     # bfloat16 differences are classified; none of the real arms may be unexplained.
     for name in ("pld", "chain", "tree"):
@@ -351,6 +356,20 @@ def saved(tmp_path_factory):
     g.tree_width, g.tree_depth, g.tree_budget, g.lookup_num_tokens = 3, 2, 4, 3
     drafter.save_pretrained(tmp / "drafter")
     return tmp
+
+
+def test_warm_up_arms_records_the_drafting_setup():
+    target = tiny_target("llama", num_layers=2)
+    drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER)).bind_target(target).eval()
+    drafter.generation_config.compile_drafting = True
+    arms = build_arms(["float32"], {"chainflow": drafter}, tree=(2, 2))
+    # False switches compiling off on every drafter: nothing is compiled, the record says so
+    record = warm_up_arms(arms, {"chainflow": {"float32": drafter}}, False)
+    assert record == {"chainflow": {"compile_drafting": False, "dtype": "float32",
+                                    "serving_head_dtype": drafter.config.serving_head_dtype, "compile_seconds": 0.0}}
+    assert drafter.generation_config.compile_drafting is False and drafter.compiled_round is None
+    with pytest.raises(ValueError, match="compile_drafting"):
+        warm_up_arms(arms, {"chainflow": {"float32": drafter}}, "yes")
 
 
 def test_bench_command(saved, capsys):

@@ -14,6 +14,8 @@ import hf_chainflow
 from hf_chainflow import ChainFlowCandidateGenerator, ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
+from _speculative import exact_pair_distribution
+
 
 @pytest.fixture(scope="module")
 def llama():
@@ -33,6 +35,7 @@ def drafter_for(target, **overrides):
 
 
 PROMPT = torch.tensor([[5, 17, 99, 42, 7, 130, 64]])
+RIGHT_PADDED = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]])  # a mask for PROMPT.repeat(2, 1)
 
 
 class Collect(BaseStreamer):
@@ -188,30 +191,6 @@ def test_tau_counts_every_target_forward(family, mode, request):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def exact_pair_distribution(target, prompt, temperature, top_p, vocab):
-    """Exact distribution of generated tokens 2 and 3 under temperature + top-p sampling."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    warp = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)]
-
-    def probs(ids):
-        logits = target(ids).logits[:, -1].float()
-        for w in warp:
-            logits = w(ids, logits)
-        return torch.softmax(logits, -1)[0]
-
-    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
-    with torch.no_grad():
-        p1 = probs(prompt)
-        for a in p1.nonzero()[:, 0].tolist():
-            ids_a = torch.cat([prompt, torch.tensor([[a]])], 1)
-            p2 = probs(ids_a)
-            for b in p2.nonzero()[:, 0].tolist():
-                p3 = probs(torch.cat([ids_a, torch.tensor([[b]])], 1))
-                joint[b] += p1[a].double() * p2[b].double() * p3.double()
-    return joint / joint.sum()
-
-
 @pytest.mark.parametrize("family,drafter_kind,mode,lookup", [
     ("llama", "chainflow", "chain", None),   # transformers' loop: q-sampled chain, min(1, p/q)
     ("qwen3_5", "oracle", "chain", None),    # own loop (hybrid): the same rule
@@ -290,8 +269,8 @@ def test_bad_inputs_raise_clear_errors(llama):
         with pytest.raises(ValueError, match=needle):
             llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter, **kwargs)
     drafter.generation_config.draft_mode = "chain"
-    with pytest.raises(ValueError, match="batch size 1"):
-        llama.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="padded on the right"):  # batches: tests/test_batch_generation.py
+        llama.generate(PROMPT.repeat(2, 1), attention_mask=RIGHT_PADDED, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.draft_mode = "beam"
     with pytest.raises(ValueError, match="draft_mode"):
         llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
@@ -416,15 +395,15 @@ def test_an_unbound_drafter_is_bound_to_the_generating_target(family, route, req
     # (an unused model kwarg, after them) unbinds it again
     fresh = ChainFlowDrafter(reference.config).eval()
     fresh.generation_config.draft_mode = unbound.generation_config.draft_mode
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, assistant_model=fresh)
+    with pytest.raises(ValueError, match="padded on the right"):
+        target.generate(PROMPT.repeat(2, 1), attention_mask=RIGHT_PADDED, max_new_tokens=4, assistant_model=fresh)
     assert not fresh.is_bound
     with pytest.raises(ValueError, match="not used by the model"):
         target.generate(PROMPT, max_new_tokens=4, assistant_model=fresh, not_a_model_kwarg=1)
     assert not fresh.is_bound
-    with pytest.raises(ValueError, match="batch size 1"):  # the direct route binds and unbinds the same way
-        target.generate(PROMPT.repeat(2, 1), max_new_tokens=4, custom_generate=hf_chainflow.speculative_generate,
-                        drafter=fresh)
+    with pytest.raises(ValueError, match="padded on the right"):  # the direct route binds and unbinds the same way
+        target.generate(PROMPT.repeat(2, 1), attention_mask=RIGHT_PADDED, max_new_tokens=4,
+                        custom_generate=hf_chainflow.speculative_generate, drafter=fresh)
     assert not fresh.is_bound
 
 

@@ -12,29 +12,14 @@ import pytest
 import torch
 
 import hf_chainflow  # noqa: F401  (installs the generate hook)
-from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
+
+from _speculative import random_drafter, set_shape
 
 SHAPES = [("chain", 1), ("chain", 3), ("chain", 8), ("tree", (8, 4)), ("tree", (5, 7)), ("tree", (16, 4)),
           ("tree", (1, 1)), ("tree", (8, 4, 10))]  # (width, depth[, budget])
 NUM_PROMPTS = 30
 MAX_NEW = 20
-
-
-def set_shape(drafter, mode, shape):
-    g = drafter.generation_config
-    g.draft_mode = mode
-    if mode == "chain":
-        g.num_assistant_tokens = shape
-    else:
-        g.tree_width, g.tree_depth = shape[:2]
-        g.tree_budget = shape[2] if len(shape) > 2 else None
-
-
-def random_drafter(target):
-    cfg = ChainFlowConfig.for_target(target.config, num_blocks=1, num_heads=4, path_hidden_size=32, markov_rank=16)
-    torch.manual_seed(0)
-    return ChainFlowDrafter(cfg).eval().bind_target(target)
 
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)

@@ -185,7 +185,7 @@ def test_folded_feedback_equals_term_by_term(target, context, feedback):
     states = drafter.predict_states(hidden)[0]  # (K, D)
     parents = torch.randint(3, 256, (5, drafter.config.path_order), generator=torch.Generator().manual_seed(2))
     fused, bias = drafter.serving_feedback_weight()
-    folded = folded_feedback_logits(drafter, states[1].expand(5, -1), parents, fused, bias) + F.linear(
+    folded = folded_feedback_logits(drafter, drafter.serving_tables(), states[1].expand(5, -1), parents, fused, bias) + F.linear(
         states[1], drafter.draft_head_weight())  # (5, S)
     reference = drafter.feedback_logits(states[1].expand(5, -1), parents)  # (5, S)
     torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)

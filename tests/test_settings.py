@@ -177,8 +177,9 @@ def test_the_own_loop_without_the_generate_hook_reads_and_checks_the_call_itself
     out = integration._original_generate(llama, PROMPT, max_new_tokens=10, do_sample=False, drafter=drafter,
                                          custom_generate=hf_chainflow.speculative_generate)
     assert torch.equal(out, ref) and drafter.last_stats.mode == "tree"
-    with pytest.raises(ValueError, match="batch size 1"):
+    with pytest.raises(ValueError, match="padded on the right"):
         integration._original_generate(llama, PROMPT.repeat(2, 1), max_new_tokens=4, drafter=drafter,
+                                       attention_mask=torch.tensor([[1] * 7, [1] * 5 + [0] * 2]),
                                        custom_generate=hf_chainflow.speculative_generate)
     drafter.generation_config.tree_width = 0
     with pytest.raises(ValueError, match=r"`drafter.generation_config.tree_width` must be a positive integer"):

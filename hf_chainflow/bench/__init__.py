@@ -7,6 +7,7 @@
     journal.py   one JSON line per finished prompt, so that a run can stop and resume
     report.py    results.json, results.md and the plots
     run.py       the run (`run_bench`) and loading a target and drafters by name or path (`benchmark`)
+    batched.py   the batched bench (`--batch-sizes`): plain batched generate vs the drafter arms per batch size
     defaults.py  the defaults, importable without torch
 
 The public names import from here too (`from hf_chainflow.bench import run_bench`), each on first use.
@@ -26,7 +27,8 @@ _EXPORTS = {
     **dict.fromkeys(["BenchJournal", "config_digest", "journal_header", "run_from_dict", "run_to_dict",
                      "weights_digest"], "journal"),
     **dict.fromkeys(["markdown_table", "same_length_summary", "write_results"], "report"),
-    **dict.fromkeys(["benchmark", "run_bench", "summarise"], "run"),
+    **dict.fromkeys(["benchmark", "run_bench", "summarise", "warm_up_arms"], "run"),
+    **dict.fromkeys(["batched_table", "left_padded", "run_batched_bench", "write_batched_results"], "batched"),
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

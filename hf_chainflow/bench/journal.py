@@ -81,7 +81,11 @@ def journal_header(settings: dict, prompts) -> dict:
     h = hashlib.sha256()
     for prompt in prompts:
         h.update(f"{prompt.id}\0{prompt.input_ids.reshape(-1).tolist()}\n".encode())
-    return {"settings": {k: v for k, v in settings.items() if k not in PATH_SETTINGS},
+    kept = {k: v for k, v in settings.items() if k not in PATH_SETTINGS}
+    if isinstance(kept.get("drafting"), dict):  # the warm-up's compile seconds are a measurement of each part
+        kept["drafting"] = {name: {k: v for k, v in d.items() if k != "compile_seconds"}
+                            for name, d in kept["drafting"].items()}
+    return {"settings": kept,
             "prompt_ids": [prompt.id for prompt in prompts], "prompt_tokens_sha256": h.hexdigest()}
 
 

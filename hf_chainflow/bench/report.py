@@ -17,6 +17,10 @@ def _fmt(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
 
 
+def _pct(x, none="–"):
+    return none if x is None else f"{100 * x:.0f} %"
+
+
 def same_length_summary(results: dict) -> dict[str, dict]:
     """Speedups over same-dtype `ar` on the prompts where every arm of that dtype emitted as many tokens as `ar`.
 
@@ -60,14 +64,14 @@ def markdown_table(results: dict) -> str:
               f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s"
               + (f" in {results['settings']['parts']} parts (resumed, `runs.jsonl`)."
                  if results["settings"].get("parts", 1) > 1 else "."), "",
-              "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | verify ms/round "
-              "| mismatches | near-ties | unexplained |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | draft / ar step "
+              "| verify ms/round | mismatches | near-ties | unexplained |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, a in arms.items():
         ms = lambda x: None if x is None else 1000 * x  # noqa: E731
         lines.append(f"| {a['name']} | {a['dtype']} | {a['tokens_per_second']:.1f} | {_fmt(a['speedup'])}x "
                      f"| {_fmt(a['speedup_vs_fastest_ar'])}x | {_fmt(a['tau'])} | {_fmt(ms(a['draft_time_per_round']), '.1f')} "
-                     f"| {_fmt(ms(a['verify_time_per_round']), '.1f')} | {a['mismatches']} | {a['near_ties']} "
+                     f"| {_pct(a.get('draft_ratio'))} | {_fmt(ms(a['verify_time_per_round']), '.1f')} | {a['mismatches']} | {a['near_ties']} "
                      f"| {a['unexplained_mismatches']} |")
     lines += ["", "## Speedup over same-dtype ar per domain (tau)", "",
               "| arm | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..stats import SpeculativeStats
-from .arms import Arm, Run, build_arms, run_arm
+from .arms import Arm, Run, build_arms, configure_drafter, run_arm
 from .defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
 from .journal import BenchJournal, config_digest, journal_header, run_from_dict, weights_digest
 from .machine import machine_info
@@ -198,10 +198,12 @@ def _describe(key: str, d: dict, decode) -> str:
 
 def _numbers(arm: Arm, mine: list[Run], base: list[Run], fastest: float, mismatches: list[dict]) -> dict:
     """Pooled numbers of one arm over some prompts: `base` are the same prompts' same-dtype `ar` runs, `fastest`
-    the tokens/s of the fastest `ar` arm over those prompts."""
+    the tokens/s of the fastest `ar` arm over those prompts. `draft_ratio`: drafting seconds per round over the
+    same-dtype `ar` arm's seconds per new token (one plain step)."""
     speed, base_speed = _speed(mine), _speed(base)
     stats = _pooled_stats(mine)
     rounds = stats.rounds if stats is not None else 0
+    draft_per_round = stats.draft_time / rounds if rounds else None
     return {
         "prompts": len(mine), "new_tokens": sum(r.new_tokens for r in mine), "seconds": sum(r.seconds for r in mine),
         "tokens_per_second": speed,
@@ -210,7 +212,8 @@ def _numbers(arm: Arm, mine: list[Run], base: list[Run], fastest: float, mismatc
         "tau": _tau(arm, mine),
         "rounds": rounds if stats is not None else None,
         "acceptance_per_depth": stats.acceptance_per_depth() if stats is not None else None,
-        "draft_time_per_round": stats.draft_time / rounds if rounds else None,
+        "draft_time_per_round": draft_per_round,
+        "draft_ratio": draft_per_round * base_speed if draft_per_round is not None and base_speed else None,
         "verify_time_per_round": stats.verify_time / rounds if rounds else None,
         "mismatches": len(mismatches),
         "near_ties": sum(d["kind"] == "near_tie" for d in mismatches),
@@ -248,12 +251,42 @@ def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, li
 
 
 
+def warm_up_arms(arms: list[Arm], drafters: dict[str, dict[str, object]], compile_drafting: bool | None) -> dict:
+    """Set `compile_drafting` on every drafter (`None`: keep its own) and compile the drafting rounds of every
+    speculative arm (`ChainFlowDrafter.warm_up_drafting`), outside any timed region. Returns, per drafter name,
+    `{"compile_drafting", "dtype", "serving_head_dtype", "compile_seconds"}` (the record of the run)."""
+    from ..settings import SpeculativeSettings
+
+    if compile_drafting is not None and not isinstance(compile_drafting, bool):
+        raise ValueError(f"`compile_drafting` must be True, False or None (keep each drafter's own setting), got "
+                         f"{compile_drafting!r}.")
+    record = {}
+    for name, by_dtype in drafters.items():
+        for drafter in by_dtype.values():
+            if compile_drafting is not None:
+                drafter.generation_config.compile_drafting = compile_drafting
+        first = next(iter(by_dtype.values()))
+        record[name] = {"compile_drafting": bool(getattr(first.generation_config, "compile_drafting", False)),
+                        "dtype": str(first.dtype).removeprefix("torch."),
+                        "serving_head_dtype": first.config.serving_head_dtype, "compile_seconds": 0.0}
+    for arm in arms:
+        if not arm.speculative:
+            continue
+        drafter = drafters[arm.drafter][arm.dtype]
+        configure_drafter(drafter, arm)
+        with torch.inference_mode():
+            record[arm.drafter]["compile_seconds"] += drafter.warm_up_drafting(SpeculativeSettings.from_drafter(drafter))
+    return record
+
+
 def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], drafter_dtype: str = "float32",
               pld_tokens: int = 10, chain: int | None = None, tree: tuple[int, int] | None = None,
               tree_budget: int | None = None, lookup: dict | None = None, only: list[str] | None = None,
               prompts: str | os.PathLike | None = None, limit: int | None = None, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
-              resume: bool = False, partial: bool = False, progress: bool = True) -> tuple[dict, dict[str, Path]]:
+              resume: bool = False, partial: bool = False, progress: bool = True,
+              compile_drafting: bool | None = None,
+              batch_sizes: list[int] | None = None) -> tuple[dict, dict[str, Path]]:
     """Load the target (a known name or a model directory, see `hf_chainflow.targets.load_model_and_tokenizer`) in
     every dtype of `dtypes` and each drafter of `drafter_paths` (name -> directory; `"chainflow"` is the default
     drafter, whose arms are `chain`/`tree`/`tree+lookup`) bound to each copy, run every arm on the prompts
@@ -263,7 +296,11 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
 
     `lookup` (the `lookup_*` generation-config fields) adds the `tree+lookup` arm; without it the default drafter's
     own `lookup_num_tokens` does, when set. `chain`, `tree`, `tree_budget` override the drafters' generation configs;
-    `only` keeps the arms of those names (`build_arms`).
+    `only` keeps the arms of those names (`build_arms`). `compile_drafting` sets every drafter's
+    `generation_config.compile_drafting` (`None`: keep each drafter's own); compiled rounds are warmed up for every
+    arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`). With
+    `batch_sizes`, runs the batched bench instead (`hf_chainflow.bench.batched`: plain batched `generate` against
+    each drafter arm at every batch size) and writes `batched_results.json` / `.md` to `output_dir`.
     """
     from ..modeling_chainflow import ChainFlowDrafter
     from ..targets import load_model_and_tokenizer
@@ -287,15 +324,26 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
                       "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=pld_tokens,
                       chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only)
+    drafting = warm_up_arms(arms, drafters, compile_drafting)
     bench_prompts = tokenize_prompts(tokenizer, rows)
     warmup = tokenize_prompts(tokenizer, [warm_row])[0]
     gen = models[dtypes[0]].generation_config
+    if batch_sizes is not None:
+        from .batched import run_batched_bench, write_batched_results
+
+        results = run_batched_bench(models, bench_prompts, arms, drafters, batch_sizes, max_new_tokens=max_new_tokens,
+                                    tie_tolerance=tie_tolerance, eos_token_id=gen.eos_token_id,
+                                    pad_token_id=gen.pad_token_id, progress=progress)
+        results["settings"] = {"target": target, "drafters": drafter_paths, "dtypes": dtypes, "limit": limit,
+                               "prompts": str(prompts or default_prompts_path()), "threads": torch.get_num_threads(),
+                               "machine": machine_info(), "drafting": drafting}
+        return results, write_batched_results(results, output_dir)
     settings = {"target": target, "drafters": drafter_paths, "drafter_weights_sha256": {
                     name: weights_digest(d[dtypes[0]]) for name, d in drafters.items()},
                 "drafter_config_sha256": {name: config_digest(d[dtypes[0]]) for name, d in drafters.items()},
                 "drafter_dtype": drafter_dtype, "dtypes": dtypes,
                 "prompts": str(prompts or default_prompts_path()), "limit": limit,
-                "pld_tokens": pld_tokens, "threads": torch.get_num_threads()}
+                "pld_tokens": pld_tokens, "threads": torch.get_num_threads(), "drafting": drafting}
     results = run_bench(models, bench_prompts, arms, drafters, max_new_tokens=max_new_tokens,
                         tie_tolerance=tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
                         pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=progress,
@@ -304,4 +352,4 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     return results, written
 
 
-__all__ = ["benchmark", "run_bench", "summarise"]
+__all__ = ["benchmark", "run_bench", "summarise", "warm_up_arms"]

@@ -63,6 +63,15 @@ def _parse_extra_drafters(items: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _parse_batch_sizes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts or not all(t.isdigit() and int(t) > 0 for t in parts):
+        raise ValueError(f"`--batch-sizes` must be comma-separated positive integers (e.g. 1,2,4,8), got {text!r}.")
+    return sorted({int(t) for t in parts})
+
+
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="Wall-clock speed and exactness of ar / prompt lookup / ChainFlow arms.",
                        description="\n\n".join(__doc__.split("\n\n")[1:5]),
@@ -76,6 +85,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
                    help="dtype of the drafters' weights (default float32)")
+    p.add_argument("--compile-drafting", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the drafters' drafting rounds compiled (torch.compile, warmed up before timing) or eager "
+                        "(default: each drafter's generation_config.compile_drafting)")
     p.add_argument("--pld-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens of the pld arm")
     p.add_argument("--chain", type=positive_int, help="chain length (default: the drafter's num_assistant_tokens)")
     p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
@@ -103,6 +115,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--partial-report", action="store_true",
                    help="with --resume: run no prompt; summarise the prompts the journal holds so far into "
                         "--output-dir/partial/ (results.json marked `partial`, the table, the plots)")
+    p.add_argument("--batch-sizes", metavar="B1,B2,...",
+                   help="run the batched bench instead: plain batched generate vs each drafter arm at these batch "
+                        "sizes (e.g. 1,2,4,8), every row checked against its own batch-1 plain output; writes "
+                        "batched_results.json/.md and the measured max_speculative_batch_size (no journal)")
     p.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_bench_command)
@@ -119,6 +135,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from hf_chainflow.checkpoints import default_drafter_path
     from hf_chainflow.lookup import lookup_settings
 
+    batch_sizes = _parse_batch_sizes(args.batch_sizes)
+    if batch_sizes is not None and (args.resume or args.partial_report):
+        raise ValueError("`--batch-sizes` runs the batched bench, which keeps no journal: drop `--resume` / "
+                         "`--partial-report`.")
     if args.partial_report and not args.resume:
         raise ValueError("`--partial-report` summarises a journaled run so far: add `--resume` (and repeat the run's "
                          "other options) so that the journal in `--output-dir` is read.")
@@ -160,8 +180,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     results, written = benchmark(
         args.target, paths, dtypes=dtypes, drafter_dtype=args.drafter_dtype, pld_tokens=args.pld_tokens,
         chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only, prompts=args.prompts,
+        compile_drafting=args.compile_drafting,
         limit=args.limit, max_new_tokens=args.max_new_tokens, tie_tolerance=args.tie_tolerance,
-        output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, progress=not args.no_progress)
+        output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, progress=not args.no_progress,
+        batch_sizes=batch_sizes)
+    if batch_sizes is not None:
+        from hf_chainflow.bench.batched import batched_table
+
+        print(batched_table(results))
+        print("wrote " + ", ".join(str(p) for p in written.values()))
+        return 0
     print(markdown_table(results).split("\n## Settings")[0])
     print("wrote " + ", ".join(str(p) for p in written.values()))
     return 0

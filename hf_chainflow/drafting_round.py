@@ -1,0 +1,93 @@
+"""One drafting round as one tensor function, compiled once per drafter and shape.
+
+A round: target states `(B, T, D)` and committed tails `(B, p)` in -> VAE encode of the last `C` states, flow
+source, Euler step(s), decode (`ChainFlowDrafter.predict_states`) -> two-pass head, feedback heads, chain or tree
+search with its budget cut (`hf_chainflow.search.search_levels`) -> the `DraftBatch` fields `(B, N)`. Every shape
+is fixed by the settings and `T`, and nothing in it reads a tensor's value in Python, so `torch.compile` (inductor)
+traces it into one graph.
+
+`CompiledDraftingRound` keeps one compiled round per key (settings, flow steps, input shapes and dtypes); the
+first call of a key compiles it (`compile_time` adds up those seconds; call `ChainFlowDrafter.warm_up_drafting`
+before timing). Where the platform cannot compile (inductor's backend fails, e.g. no C++ compiler), it warns once
+and runs the same function eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from .search import ServingTables, search_levels
+from .settings import SearchSettings
+
+
+def drafting_round(drafter, tables: ServingTables, hidden_states: torch.Tensor, tails: torch.LongTensor,
+                   settings: SearchSettings, num_flow_steps: int | None) -> tuple:
+    """`hidden_states` `(B, T, D)`, `tails` `(B, p)` (the last `p` committed tokens, the root last) -> `(tokens,
+    parents, depths, logprobs, draft_probs)`, each `(B, N)` (`draft_probs` `(B, N, V)` or `None`)."""
+    states = drafter.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (B, K, D)
+    return search_levels(drafter, tables, states, tails, settings)
+
+
+class CompiledDraftingRound:
+    """`drafting_round` compiled with `torch.compile` (inductor, static shapes), one entry per key.
+
+    Attributes:
+        compile_time (`float`): seconds spent in first calls (tracing and compiling) so far.
+        keys (`list`): the keys compiled so far. eager_reason (`str | None`): why rounds run eagerly (the
+            platform could not compile), `None` while compiling works.
+    """
+
+    def __init__(self):
+        self._rounds: dict = {}
+        self.compile_time = 0.0
+        self.eager_reason: str | None = None
+
+    @property
+    def keys(self) -> list:
+        return list(self._rounds)
+
+    def __call__(self, drafter, tables: ServingTables, hidden_states, tails, settings: SearchSettings,
+                 num_flow_steps: int | None) -> tuple:
+        args = (drafter, tables, hidden_states, tails, settings, num_flow_steps)
+        if self.eager_reason is not None:
+            return drafting_round(*args)
+        key = (settings, num_flow_steps, tuple(hidden_states.shape), hidden_states.dtype, tuple(tails.shape),
+               drafter.dtype, tables.head.dtype)
+        fn = self._rounds.get(key)
+        if fn is not None:
+            return fn(*args)
+        fn = torch.compile(drafting_round, dynamic=False)
+        start = time.perf_counter()
+        try:
+            out = fn(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:  # the platform cannot compile: eager from now on
+            self.eager_reason = str(error).strip().splitlines()[0][:200]
+            warnings.warn(f"hf_chainflow: cannot compile the drafting round ({self.eager_reason}); drafting "
+                          f"eagerly (set `drafter.generation_config.compile_drafting = False` to skip the attempt).",
+                          stacklevel=3)
+            return drafting_round(*args)
+        self.compile_time += time.perf_counter() - start
+        self._rounds[key] = fn
+        return out
+
+
+def compare_drafts(want, got, tie: float = 1e-3) -> str:
+    """Two `DraftTree`s of one round (e.g. eager `want`, compiled `got`): `"same"` (same tokens and parents),
+    `"near-tie"` (they part at a node where the drafter's two path scores, `want`'s and `got`'s cumulative
+    log-probabilities there, are within `tie`: a swap of two near-equal candidates), else `"different"`."""
+    n = min(want.num_nodes, got.num_nodes)
+    part = [i for i in range(n) if int(want.tokens[i]) != int(got.tokens[i])
+            or int(want.parents[i]) != int(got.parents[i])]
+    if not part and want.num_nodes == got.num_nodes:
+        return "same"
+    if not part:
+        return "different"
+    i = part[0]
+    gap = abs(float(want.cumulative_logprobs()[i]) - float(got.cumulative_logprobs()[i]))
+    return "near-tie" if gap <= tie else "different"
+
+
+__all__ = ["CompiledDraftingRound", "compare_drafts", "drafting_round"]
