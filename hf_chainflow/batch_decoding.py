@@ -32,7 +32,7 @@ from .lookup import next_lookup_length, prompt_lookup
 from .settings import check_attention_mask
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import accept_round, process_row, processed_rows
+from .verification import accept_round, choose_token, process_row, processed_rows
 
 
 def _cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
@@ -79,9 +79,6 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def choose(row: torch.Tensor) -> int:
-        return int(torch.multinomial(torch.softmax(row, -1), 1)) if do_sample else int(row.argmax())
-
     def stop_now(ids: torch.LongTensor) -> bool:
         return bool(stopping_criteria(ids[None], None).any())
 
@@ -95,7 +92,7 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
     hidden = out.hidden_states[-1]  # (B, L, D)
     seqs, states = [], []
     for b in range(B):
-        first = choose(process_row(logits_processor, input_ids[b], out.logits[b, -1]))
+        first = choose_token(process_row(logits_processor, input_ids[b], out.logits[b, -1]), do_sample)
         seqs.append(torch.cat([input_ids[b], input_ids.new_tensor([first])]))
         states.append(hidden[b, pads[b]:][-C:])  # (<=C, D)
     stats.prefill_time = time.perf_counter() - start

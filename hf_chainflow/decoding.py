@@ -31,7 +31,7 @@ from .lookup import next_lookup_length, prompt_lookup
 from .settings import SpeculativeSettings, validate_speculative_call
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import accept_round, commit, process_row, processed_rows, verify_forward
+from .verification import accept_round, choose_token, commit, process_row, processed_rows, verify_forward
 
 
 _process, _processed_rows = process_row, processed_rows  # the loop's names (profiling scripts wrap them)
@@ -99,11 +99,6 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def choose(row: torch.Tensor) -> int:
-        if do_sample:
-            return int(torch.multinomial(torch.softmax(row, -1), 1))
-        return int(row.argmax())
-
     def stop_now(ids: torch.LongTensor) -> bool:
         return bool(stopping_criteria(ids, None).any())  # generate's criteria: max length, EOS, stop strings, ...
 
@@ -113,7 +108,7 @@ def speculative_generate(
     # that grows with the prompt.
     out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
     states = out.hidden_states[-1][:, -context_size:]  # (1, <=C, D)
-    first = choose(_process(logits_processor, input_ids[0], out.logits[0, -1]))
+    first = choose_token(_process(logits_processor, input_ids[0], out.logits[0, -1]), do_sample)
     ids = torch.cat([input_ids, input_ids.new_tensor([[first]])], 1)
     stats.prefill_time = time.perf_counter() - start
     if streamer is not None:

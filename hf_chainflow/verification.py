@@ -68,6 +68,7 @@ __all__ = [
     "CommitHandle",
     "Acceptance",
     "accept_round",
+    "choose_token",
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
     "build_verify_inputs",
     "ancestor_mask",
@@ -423,6 +424,11 @@ def accept_sampling_tree(
         node, row = match, match + 1
 
 
+def choose_token(row: torch.Tensor, do_sample: bool) -> int:
+    """One token from the processed logits `row` `(V,)`: a draw from its softmax when sampling, else its argmax."""
+    return int(torch.multinomial(torch.softmax(row, -1), 1)) if do_sample else int(row.argmax())
+
+
 def accept_round(tree: DraftTree, rows: torch.Tensor, do_sample: bool) -> Acceptance:
     """One round's acceptance on the target's processed logits `rows` `(N + 1, V)` (row 0 = root): the greedy walk
     (`accept_greedy`), or lossless sampling: a chain with its draft distributions by `accept_sampling`, any other
@@ -430,7 +436,7 @@ def accept_round(tree: DraftTree, rows: torch.Tensor, do_sample: bool) -> Accept
     if not do_sample:
         return accept_greedy(tree, rows)
     if not tree.num_nodes:
-        return Acceptance([], int(torch.multinomial(torch.softmax(rows[0], -1), 1)))
+        return Acceptance([], choose_token(rows[0], do_sample))
     probs = torch.softmax(rows, -1)  # (N + 1, V)
     return accept_sampling(tree, probs) if tree.draft_probs is not None else accept_sampling_tree(tree, probs)
 
