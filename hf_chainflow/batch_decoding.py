@@ -32,8 +32,7 @@ from .lookup import next_lookup_length, prompt_lookup
 from .settings import check_attention_mask
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import (Acceptance, accept_greedy, accept_sampling, accept_sampling_tree, process_row,
-                           processed_rows, select_target_states)
+from .verification import accept_round, process_row, processed_rows, select_target_states
 
 
 def _cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
@@ -153,14 +152,7 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
             rows_b = processed_rows(logits_processor, seqs[b], tree, result.logits[i, : tree.num_nodes + 1])
 
             # 4. Accept (per row, on its own processed logits).
-            if do_sample and tree.num_nodes:
-                probs = torch.softmax(rows_b, -1)
-                acc = accept_sampling(tree, probs) if tree.draft_probs is not None else accept_sampling_tree(tree,
-                                                                                                             probs)
-            elif do_sample:
-                acc = Acceptance([], choose(rows_b[0]))
-            else:
-                acc = accept_greedy(tree, rows_b)
+            acc = accept_round(tree, rows_b, do_sample)
 
             # 5. Emit, one token at a time through the stopping criteria.
             new_tokens = [int(t) for t in tree.tokens[acc.nodes].tolist()] + [int(acc.bonus)]

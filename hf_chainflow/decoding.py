@@ -31,8 +31,8 @@ from .lookup import next_lookup_length, prompt_lookup
 from .settings import SpeculativeSettings, validate_speculative_call
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import (Acceptance, accept_greedy, accept_sampling, accept_sampling_tree, commit, process_row,
-                           processed_rows, select_target_states, verify_forward)
+from .verification import (accept_round, commit, process_row, processed_rows, select_target_states,
+                           verify_forward)
 
 
 _process, _processed_rows = process_row, processed_rows  # the loop's names (profiling scripts wrap them)
@@ -155,13 +155,7 @@ def speculative_generate(
         rows = _processed_rows(logits_processor, ids[0], tree, result.logits)  # (n, V)
 
         # 4. Accept.
-        if do_sample and tree.num_nodes:
-            probs = torch.softmax(rows, -1)  # (n, V)
-            acc = accept_sampling(tree, probs) if tree.draft_probs is not None else accept_sampling_tree(tree, probs)
-        elif do_sample:
-            acc = Acceptance([], choose(rows[0]))
-        else:
-            acc = accept_greedy(tree, rows)
+        acc = accept_round(tree, rows, do_sample)
 
         # 5. Emit accepted tokens and the bonus, one at a time through the stopping criteria.
         new_tokens = [int(t) for t in tree.tokens[acc.nodes].tolist()] + [int(acc.bonus)]

@@ -68,6 +68,7 @@ __all__ = [
     "VerifyOutput",
     "CommitHandle",
     "Acceptance",
+    "accept_round",
     "SUPPORTED_ATTN_IMPLEMENTATIONS",
     "build_verify_inputs",
     "ancestor_mask",
@@ -442,6 +443,18 @@ def accept_sampling_tree(
             return Acceptance(accepted, int(torch.multinomial(residual, 1)))
         accepted.append(match)
         node, row = match, match + 1
+
+
+def accept_round(tree: DraftTree, rows: torch.Tensor, do_sample: bool) -> Acceptance:
+    """One round's acceptance on the target's processed logits `rows` `(N + 1, V)` (row 0 = root): the greedy walk
+    (`accept_greedy`), or lossless sampling: a chain with its draft distributions by `accept_sampling`, any other
+    tree by `accept_sampling_tree`, an empty draft by one draw of the bonus from the root row."""
+    if not do_sample:
+        return accept_greedy(tree, rows)
+    if not tree.num_nodes:
+        return Acceptance([], int(torch.multinomial(torch.softmax(rows[0], -1), 1)))
+    probs = torch.softmax(rows, -1)  # (N + 1, V)
+    return accept_sampling(tree, probs) if tree.draft_probs is not None else accept_sampling_tree(tree, probs)
 
 
 def _probs_at(target_probs: torch.Tensor | Callable[[int], torch.Tensor],

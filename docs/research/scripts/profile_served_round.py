@@ -71,7 +71,7 @@ def main():
     timed_verify = timed("verify_forward", decoding.verify_forward)
     decoding.verify_forward = verify
     decoding._processed_rows = timed("  logits processing", decoding._processed_rows)
-    decoding.accept_greedy = timed("  acceptance", decoding.accept_greedy)
+    decoding.accept_round = timed("  acceptance", decoding.accept_round)
     decoding.commit = timed("  cache commit", decoding.commit)
     verification.build_verify_inputs = timed("  tree inputs and mask", verification.build_verify_inputs)
     target.model.forward = timed("  target backbone", target.model.forward, verify_only=True)
