@@ -32,7 +32,7 @@ from .lookup import next_lookup_length, prompt_lookup
 from .settings import check_attention_mask
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import accept_round, choose_token, process_row, processed_rows
+from .verification import accept_round, choose_token, process_row, processed_rows, select_target_states
 
 
 def _cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
@@ -73,6 +73,7 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
         raise ValueError(f"A streamer takes one sequence; got a batch of {B}. Generate without `streamer`, or one "
                          f"prompt at a time.")
     do_sample, max_length, C = settings.do_sample, generation_config.max_length, drafter.context_size
+    layers = getattr(drafter, "state_layers", ())  # fused target layers (`target_layer_ids`); none: final states
     row_stats = [SpeculativeStats(mode=settings.mode, loop="chainflow") for _ in range(B)]
     stats = SpeculativeStats.pooled(row_stats, 0, mode=settings.mode, loop="chainflow")
     drafter.last_stats = stats
@@ -89,7 +90,7 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
                 output_hidden_states=True, logits_to_keep=1)
     rows = RaggedRows.from_attention_mask(mask)
     pads = list(rows.starts)  # left padding of each row in the output
-    hidden = out.hidden_states[-1]  # (B, L, D)
+    hidden = select_target_states(out.hidden_states, layers)  # (B, L, D or (1 + m) D)
     seqs, states = [], []
     for b in range(B):
         first = choose_token(process_row(logits_processor, input_ids[b], out.logits[b, -1]), do_sample)
@@ -140,7 +141,7 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
         # 3. Verify: one target forward over every active row's [root] + nodes.
         start = time.perf_counter()
         result = verify_forward_batch(model, cache, rows, [int(seqs[b][-1]) for b in active],
-                                      [trees[b] for b in active], method=gdn_method)
+                                      [trees[b] for b in active], method=gdn_method, state_layers=layers)
         stats.forwards += 1
         committed_paths, kept_states = [], []
         for i, b in enumerate(active):

@@ -36,7 +36,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from .hybrid import TREE_KWARG, HybridTreeContext, commit_hybrid_states, is_hybrid_target, prepare_hybrid_target
 from .settings import SUPPORTED_ATTN_IMPLEMENTATIONS
 from .tree import DraftTree
-from .verification import _attn_implementation, _cache_kwarg, _check_cache, _validate_path, _validate_tree
+from .verification import (_attn_implementation, _cache_kwarg, _check_cache, _validate_path, _validate_tree,
+                           hidden_state_selection, select_target_states)
 
 __all__ = ["RaggedRows", "BatchVerifyInputs", "BatchVerifyOutput", "BatchCommitHandle", "build_batch_verify_inputs",
            "verify_forward_batch", "commit_batch", "select_rows"]
@@ -130,14 +131,16 @@ class BatchVerifyOutput:
     """Row b's root is `logits[b, 0]`, its node `i` is `logits[b, i + 1]`; rows past `N_b + 1` are padding."""
 
     logits: torch.Tensor  # (B, n, V)
-    hidden_states: torch.Tensor  # (B, n, D): last layer, after the final norm
+    hidden_states: torch.Tensor  # (B, n, D): last layer, after the final norm ((B, n, (1 + m) D) with `state_layers`)
     handle: BatchCommitHandle
 
 
 @torch.no_grad()
 def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, roots: list[int],
-                         trees: list[DraftTree], *, method: str = "chunk") -> BatchVerifyOutput:
-    """Score every row's `[root] + nodes` in one forward of `target`, appending `n` columns to `cache`."""
+                         trees: list[DraftTree], *, method: str = "chunk",
+                         state_layers: tuple[int, ...] = ()) -> BatchVerifyOutput:
+    """Score every row's `[root] + nodes` in one forward of `target`, appending `n` columns to `cache`
+    (`state_layers`: as for `verify_forward`)."""
     hybrid = is_hybrid_target(target)
     _check_cache(cache, hybrid)
     T = cache.get_seq_length()
@@ -153,10 +156,12 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
         ctx = HybridTreeContext(parents=inputs.parents, ancestors=inputs.ancestors, method=method)
         extra[TREE_KWARG] = ctx
     out = target(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
-                 use_cache=True, output_hidden_states=-1, **{_cache_kwarg(target): cache}, **extra)
+                 use_cache=True, output_hidden_states=hidden_state_selection(state_layers),
+                 **{_cache_kwarg(target): cache}, **extra)
     handle = BatchCommitHandle(cache_length=T, num_inputs=inputs.input_ids.shape[1],
                                node_parents=[tree.parents.tolist() for tree in trees], hybrid=ctx)
-    return BatchVerifyOutput(logits=out.logits, hidden_states=out.hidden_states[-1], handle=handle)
+    return BatchVerifyOutput(logits=out.logits, hidden_states=select_target_states(out.hidden_states, state_layers),
+                             handle=handle)
 
 
 @torch.no_grad()

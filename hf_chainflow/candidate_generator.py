@@ -3,7 +3,8 @@
 transformers calls `get_candidates(input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)`
 before each verification forward.  The first call only lets the prefill run (it returns `input_ids` unchanged),
 as transformers' MTP and DFlash generators do.  Afterwards the target's last hidden states of the previous forward
-(`model_outputs.hidden_states[-1]`) are appended to a rolling buffer of the last `C` committed states:
+(`model_outputs.hidden_states[-1]`, followed by the outputs of the drafter's `state_layers` when it fuses target
+layers) are appended to a rolling buffer of the last `C` committed states:
 after prefill all prompt states are valid; after a verification round with `n` matches, the first `n + 1`
 (the previous bonus token and the accepted candidates).  The last token of `input_ids` is the new bonus token.
 """
@@ -18,6 +19,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .settings import SpeculativeSettings
 from .stats import SpeculativeStats
+from .verification import select_target_states
 
 
 class ChainFlowCandidateGenerator(CandidateGenerator):
@@ -75,7 +77,8 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
             raise ValueError("ChainFlow drafting needs the target's hidden states in `model_outputs`.")
 
         # 1. Roll the buffer of committed states forward.
-        last = model_outputs.hidden_states[-1]  # (1, T, D) of the previous forward's inputs
+        layers = getattr(self.drafter, "state_layers", ())  # fused target layers; none: the final states
+        last = select_target_states(model_outputs.hidden_states, layers)  # (1, T, D or (1 + m) D), previous inputs
         new = last if self.states is None else last[:, : int(n_last_matches) + 1]
         self.states = new if self.states is None else torch.cat([self.states, new], 1)
         self.states = self.states[:, -self.context_size:]

@@ -53,6 +53,17 @@ class ChainFlowConfig(PreTrainedConfig):
     shortlist (`list[int]`, *optional*): vocabulary shortlist (tokens seen in the training responses), distinct ids.
     candidate_budget (`int`): `M`, candidate ids kept by the two-pass head (shared across positions).
     tree_branching (`int`): `b`, children expanded per kept node during tree search.
+    bonus_embedding (`bool`): also feed the transport the bonus token `x_{t+1}` (the last committed token, the
+        target's own choice from `h_t`): its frozen target embedding, through a learned norm and a zero-initialised
+        projection, is added to every chunk expert's input beside the flow time, so a fresh drafter starts as the
+        paper's transport. `False` (default): the paper's transport, which reads the bonus token only in the heads.
+    target_layer_ids (`list[int]`, *optional*): decoder layers (0-based, before the last; increasing) whose outputs
+        the drafter reads beside the final states (EAGLE-3-style fused target layers): the context that conditions
+        the velocity network becomes `Enc(h) + W [std(h^(l_1)); ...; std(h^(l_n))]`, each layer standardised per
+        dimension with statistics of the training data and `W` a zero-initialised linear map to the latent, so a
+        fresh drafter starts as the final-states-only one. The flow source and the VAE still read the final states.
+        The drafter's context states are then `(..., (1 + n) * D)`: the final state, then each layer's output.
+        `None` (default): the final states only.
     serving_head_dtype (`str`): dtype of the candidate-head products while drafting, `"bfloat16"` (default) or
         `"float32"`; training always uses the drafter's dtype. It changes what may be proposed, never the output.
     initializer_range (`float`): std of the normal initialiser.
@@ -90,6 +101,8 @@ class ChainFlowConfig(PreTrainedConfig):
     shortlist: list[int] | None = None
     candidate_budget: int = 8192
     tree_branching: int = 8
+    bonus_embedding: bool = False
+    target_layer_ids: list[int] | None = None
     serving_head_dtype: str = "bfloat16"
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
@@ -120,7 +133,7 @@ class ChainFlowConfig(PreTrainedConfig):
         _choice("feedback", self.feedback, FEEDBACK)
         _choice("attention", self.attention, ATTENTION)
         _choice("serving_head_dtype", self.serving_head_dtype, ("bfloat16", "float32"))
-        for name in ("use_vae", "tie_word_embeddings"):
+        for name in ("use_vae", "bonus_embedding", "tie_word_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
@@ -185,6 +198,19 @@ class ChainFlowConfig(PreTrainedConfig):
                     f"`shortlist` ids must be distinct (each is one row of the draft vocabulary), got "
                     f"{duplicated[:5]} more than once. Pass `sorted(set(shortlist))`."
                 )
+        layers = self.target_layer_ids
+        if layers is not None:
+            if not isinstance(layers, list) or not layers or any(not isinstance(i, int) or isinstance(i, bool)
+                                                                 or i < 0 for i in layers):
+                raise ValueError(
+                    f"`target_layer_ids` must be None (the final states only) or a non-empty list of decoder-layer "
+                    f"indices (non-negative ints, 0-based), got {layers!r}; e.g. `[2, 15, 27]` for a 30-layer target."
+                )
+            if layers != sorted(set(layers)):
+                raise ValueError(
+                    f"`target_layer_ids` must be distinct and increasing (the order the layers' outputs are stacked "
+                    f"in the context states), got {layers!r}. Pass `sorted(set(ids))` = {sorted(set(layers))}."
+                )
         if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
             raise ValueError(f"`pad_token_id` must lie in [0, {self.vocab_size}), got {self.pad_token_id}.")
 
@@ -192,6 +218,16 @@ class ChainFlowConfig(PreTrainedConfig):
     def expert_size(self) -> int:
         """Draft positions per chunk expert."""
         return self.num_draft_positions // self.num_experts
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The decoder layers read beside the final states (`target_layer_ids`), `()` for the final states only."""
+        return tuple(self.target_layer_ids or ())
+
+    @property
+    def context_state_size(self) -> int:
+        """Width of one context state the drafter reads: `(1 + len(target_layer_ids)) * target_hidden_size`."""
+        return (1 + len(self.state_layers)) * self.target_hidden_size
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> "ChainFlowConfig":

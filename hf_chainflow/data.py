@@ -1,4 +1,5 @@
-"""Drafter training data: the target's own greedy responses and its cached final hidden states.
+"""Drafter training data: the target's own greedy responses (or text it did not write, labelled with its own
+next-token choices) and its cached hidden states.
 
 `prepare(...)` turns prompts into a directory of shards; `ChainFlowWindowDataset` reads training windows from it.
 
@@ -11,11 +12,14 @@ Output directory
 - `shards/shard-00000.safetensors`, one per `shard_size` sequences, written atomically (temp file + rename):
   `hidden (T, D) float16`, `tokens (T,) int64`, `offsets (N+1,) int64` (sequence `n` is rows
   `offsets[n]:offsets[n+1]`), `response_start (N,) int64` (index of the first response token inside the
-  sequence's stored span); the safetensors metadata key `sequences` holds a JSON list with one record per sequence
+  sequence's stored span), with `target_layers` also `layer_<i> (T, D) float16` (decoder layer `i`'s output), with
+  `target_labels` also `labels (T,) int64` (the target's own next-token choice after each token, the argmax of its
+  `lm_head` over `hidden`); the safetensors metadata key `sequences` holds a JSON list with one record per sequence
   (`id, domain, language, source, finish, prompt_len, response_len, length, response_start`).
 - `responses/shard-00000.jsonl`: responses generated here (same schema as the shared responses file).
 - `index.jsonl`: every finished sequence's record plus `shard` and `row` (its number inside the shard).
-- `shortlist.json`: sorted unique token ids of all finished responses, plus the EOS id(s).
+- `shortlist.json`: sorted unique token ids of all finished responses (with `target_labels`: of the labels the
+  windows predict), plus the EOS id(s).
 
 Stored span of a sequence (prompt `P` tokens, response `R` tokens): the last `prompt_tail` (16) prompt positions and
 all response positions, `tokens[j]` = token j of the span and `hidden[j]` = the target's final hidden state after
@@ -24,11 +28,14 @@ consuming it (after the final norm, so `lm_head(hidden[j])` are the logits that 
 Windows (SPEC "Alignment"), inside one stored span `x[0..L-1]`, `h[0..L-1]`, anchor `t` (last context state;
 `x[t+1]` is the bonus token), `C` context states, `K` draft positions, `p` parents:
 - `context_states (C, D)` = `h[t-C+1..t]`, zero-left-padded; `context_mask (C,)` True where a state exists;
-- `target_states (K, D)` = `h[t+1..t+K]`; `target_tokens (K,)` = `x[t+2..t+K+1]`; `target_mask (K,)` True where
+- `target_states (K, D)` = `h[t+1..t+K]`; `target_tokens (K,)` = `x[t+2..t+K+1]` (with `target_labels`:
+  `labels[t+1..t+K]`, what the target itself puts after `x[..t+1+i]`); `target_mask (K,)` True where
   `x[t+1+i]` exists (draft position `i`, 1-based); masked entries are zero states and `pad_token_id`;
 - `prev_tokens (p-1+K,)` = `x[t+2-p..t+K]` (`pad_token_id` outside the span): the parents of draft position `i` are
   `prev_tokens[i-1 : i-1+p]` = `x[t+i-p+1..t+i]`;
 - `domain` () int64: index into the manifest's `domains`.
+Windows for a drafter with fused target layers (`target_layers=`) append each chosen layer's output to every
+context state: `context_states (C, (1 + n) D)`.
 Anchors run from `response_start - 1` (last prompt state; the bonus is the first response token) to `L - 3` (the
 last anchor whose first draft position has a target token).
 """
@@ -54,13 +61,14 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 FORMAT = "hf_chainflow.data/1"
+LATER_SETTINGS = {"target_labels": False, "prompt_text": None, "hidden_dtype": "float32"}  # manifest settings, as absent ones read
 MANIFEST, PLAN, INDEX, SHORTLIST = "manifest.json", "plan.json", "index.jsonl", "shortlist.json"
 PROMPT_TAIL = 16
 
 __all__ = [
-    "prepare", "load_prompts", "load_responses", "chat_prompt_ids", "generate_responses", "final_hidden_states",
-    "target_hidden_states",
-    "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "state_statistics",
+    "prepare", "load_prompts", "load_responses", "chat_prompt_ids", "text_ids", "generate_responses",
+    "final_hidden_states", "target_hidden_states", "target_argmax",
+    "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "state_statistics", "layer_statistics",
     "ChainFlowWindowDataset", "collate",
 ]
 
@@ -165,6 +173,34 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     return list(ids)
+
+
+PROMPT_TEXT_FORMATS = ("chat", "raw")
+
+
+def text_ids(tokenizer: PreTrainedTokenizerBase, text: str, fmt: str = "chat") -> tuple[list[int], list[int]]:
+    """A text as a sequence for forward-only data: `(prefix_ids, text_part_ids)`.
+
+    `fmt="chat"`: the text as a user turn through the chat template (`chat_prompt_ids`); the prefix is what the
+    template puts before the text (system prompt, user header: the ids it shares with an empty user turn), the text
+    part everything from the text on (the text, the end of the turn, the assistant header). `fmt="raw"`: the text
+    tokenised without a template (with the tokenizer's special tokens, e.g. a BOS); the prefix is its first id.
+    """
+    _check_choice("prompt_text", fmt, PROMPT_TEXT_FORMATS)
+    if fmt == "chat":
+        full, empty = chat_prompt_ids(tokenizer, text), chat_prompt_ids(tokenizer, "")
+        n = 0
+        while n < min(len(full), len(empty)) - 1 and full[n] == empty[n]:
+            n += 1
+        n = max(n, 1)  # the last prefix position is the first anchor
+        return full[:n], full[n:]
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return ids[:1], ids[1:]
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}.")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,6 +309,17 @@ def final_hidden_states(model: PreTrainedModel, sequences: Sequence[Sequence[int
                                                max_batch_tokens=max_batch_tokens, max_batch=max_batch)]
 
 
+@torch.no_grad()
+def target_argmax(model: PreTrainedModel, states: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The target's own next-token choice at each of its final states `states` `(L, D)` (after the final norm): the
+    argmax of its `lm_head`, `(L,)` int64 on the CPU, `chunk` rows at a time (never all `(L, V)` logits at once).
+    What greedy decoding picks (a monotone logit transform such as soft-capping does not move the argmax)."""
+    head = model.get_output_embeddings()
+    weight = head.weight
+    parts = [head(part.to(device=weight.device, dtype=weight.dtype)).argmax(-1).cpu() for part in states.split(chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # prepare
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,7 +348,7 @@ def _shard_records(path: Path) -> list[dict]:
 
 def iter_sequences(out_dir: str | os.PathLike) -> Iterable[dict]:
     """Yield each finished sequence as a dict: its record plus `tokens (L,)`, `hidden (L, D) float16` and, for data
-    prepared with `target_layers`, `layers` (`{layer: (L, D) float16}`)."""
+    prepared with `target_layers`, `layers` (`{layer: (L, D) float16}`), with `target_labels`, `labels (L,)`."""
     manifest = read_manifest(out_dir)
     for shard in manifest["finished"]:
         path = shard_path(out_dir, shard)
@@ -309,22 +356,29 @@ def iter_sequences(out_dir: str | os.PathLike) -> Iterable[dict]:
             records = json.loads(f.metadata()["sequences"])
             offsets, tokens, hidden = f.get_tensor("offsets"), f.get_tensor("tokens"), f.get_slice("hidden")
             layers = {i: f.get_slice(f"layer_{i}") for i in manifest.get("target_layers") or ()}
+            labels = f.get_tensor("labels") if manifest.get("target_labels") else None
             for n, rec in enumerate(records):
                 a, b = int(offsets[n]), int(offsets[n + 1])
                 extra = {"layers": {i: t[a:b] for i, t in layers.items()}} if layers else {}
+                if labels is not None:
+                    extra["labels"] = labels[a:b]
                 yield {**rec, "shard": shard, "row": n, "tokens": tokens[a:b], "hidden": hidden[a:b], **extra}
 
 
 def compute_shortlist(out_dir: str | os.PathLike, manifest: dict | None = None) -> list[int]:
     """Sorted unique token ids of all finished responses plus the EOS id(s) (finished per `manifest`, by default
-    the one on disk)."""
+    the one on disk). For data with `target_labels`: the labels the windows predict (those after the first
+    response position up to the second-to-last), not the text's tokens."""
     manifest = read_manifest(out_dir) if manifest is None else manifest
+    labelled = bool(manifest.get("target_labels"))
     seen = set(manifest["eos_token_ids"])
     for shard in manifest["finished"]:
         with safe_open(str(shard_path(out_dir, shard)), framework="pt") as f:
-            tokens, offsets, starts = f.get_tensor("tokens"), f.get_tensor("offsets"), f.get_tensor("response_start")
+            tokens = f.get_tensor("labels" if labelled else "tokens")
+            offsets, starts = f.get_tensor("offsets"), f.get_tensor("response_start")
         for n in range(len(starts)):
-            seen.update(tokens[int(offsets[n]) + int(starts[n]): int(offsets[n + 1])].tolist())
+            a, b = int(offsets[n]) + int(starts[n]), int(offsets[n + 1])
+            seen.update(tokens[a: b - 1 if labelled else b].tolist())
     return sorted(seen)
 
 
@@ -337,9 +391,10 @@ def read_shortlist(out_dir: str | os.PathLike) -> list[int]:
 
 
 def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch.Tensor], prompt_tail: int,
-                 layers: Sequence[int] = ()) -> None:
+                 layers: Sequence[int] = (), labels: list[torch.Tensor] | None = None) -> None:
     """Keep the last `prompt_tail` prompt positions and all response positions of each sequence; write one shard.
-    `hidden[n]` is `(1 + len(layers), L, D)` (`target_hidden_states`)."""
+    `hidden[n]` is `(1 + len(layers), L, D)` (`target_hidden_states`); `labels[n]`, if given, the target's argmax
+    at the kept positions `(keep + R,)`."""
     spans, toks, offsets, starts, records = [], [], [0], [], []
     for row, h in zip(rows, hidden):
         p_len, r_len = len(row["prompt_ids"]), len(row["response_ids"])
@@ -360,6 +415,8 @@ def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch
                "tokens": torch.cat(toks),
                "offsets": torch.tensor(offsets, dtype=torch.long),
                "response_start": torch.tensor(starts, dtype=torch.long)}
+    if labels is not None:
+        tensors["labels"] = torch.cat(labels)
     path = shard_path(out_dir, shard)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "sequences": json.dumps(records)})
@@ -374,6 +431,15 @@ def _write_index_and_shortlist(out_dir: Path, manifest: dict) -> None:
             lines.append(json.dumps({**rec, "shard": shard, "row": n}))
     _atomic_write_text(out_dir / INDEX, "".join(line + "\n" for line in lines))
     _atomic_write_text(out_dir / SHORTLIST, json.dumps({"shortlist": compute_shortlist(out_dir, manifest)}))
+
+
+def _text_rows(tokenizer, prompts, prompt_column: str, fmt: str) -> list[dict]:
+    """Rows whose "response" is the prompt's own text (`text_ids`), `finish` = "text"."""
+    rows = load_prompts(prompts, prompt_column=prompt_column)
+    for row in rows:
+        row["prompt_ids"], row["response_ids"] = text_ids(tokenizer, row.pop("prompt"), fmt)
+        row["finish"] = "text"
+    return rows
 
 
 def _build_rows(tokenizer, prompts, responses, prompt_column: str) -> list[dict]:
@@ -413,7 +479,9 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
             limit: int | None = None, batch_size: int = 32, max_new_tokens: int = 256,
             generation_dtype: torch.dtype = torch.bfloat16, shard_size: int = 128, prompt_tail: int = PROMPT_TAIL,
             max_batch_tokens: int = 4096, shuffle_seed: int | None = 0, max_shards: int | None = None,
-            target_layers: Sequence[int] | None = None,
+            target_layers: Sequence[int] | None = None, target_labels: bool = False,
+            hidden_dtype: torch.dtype = torch.float32,
+            prompt_text: str | None = None, exclude_ids: Iterable[str] | None = None,
             on_shard_done: Callable[[int], None] | None = None, progress: bool = True) -> dict:
     """Generate (or take) the target's greedy responses and cache its hidden states in shards under `out_dir`.
 
@@ -426,13 +494,23 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     - `prompts`: JSONL path / `datasets.Dataset` / dicts (see `load_prompts`); `None` uses the `responses` rows.
     - `responses`: already-generated responses (see `load_responses`); rows they cover are not generated.
     - Generation runs greedy in `generation_dtype` (a copy of the model if its dtype differs); the hidden-state
-      pass runs in float32.
+      pass (and the labels of `target_labels`) in `hidden_dtype`, float32 unless asked otherwise (bfloat16 is about
+      3x faster on a CPU with bfloat16 matrix instructions, but its states and labels are rounded differently from
+      float32 data).
     - `limit`: keep only the first `limit` rows (before shuffling).
     - `shuffle_seed`: order the sequences randomly (so any prefix of the shards mixes domains); `None` keeps the
       input order.
     - `target_layers`: decoder layers (0-based, before the last) whose outputs are stored too, as
       `layer_<i> (T, D)` beside `hidden` (e.g. for drafters that fuse low, middle and high layers); `None` stores
       the final state only.
+    - `target_labels`: also store the target's own next-token choice at every stored position (`labels`, the
+      argmax of its `lm_head` over the final state, `target_argmax`); the windows then predict these labels instead
+      of the stored tokens. For text the target did not write: labelled by a forward pass alone, no generation.
+    - `prompt_text`: `"chat"` or `"raw"`: the sequences are the prompts' own text (`text_ids`: the user turn through
+      the chat template, or the text alone) instead of responses to them; needs `target_labels=True` and `prompts`,
+      and takes no `responses`.
+    - `exclude_ids`: leave out the rows with these ids (before `limit`), e.g. a held-out split's
+      (`ResponseCorpus(path).ids("heldout")`), so that nothing is trained on the prompts a drafter is judged on.
     """
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("shard_size", shard_size),
                         ("prompt_tail", prompt_tail), ("max_batch_tokens", max_batch_tokens)):
@@ -442,14 +520,30 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
         _check_positive(name, value, optional=True)
     if shuffle_seed is not None and not _is_int(shuffle_seed):
         raise ValueError(f"`shuffle_seed` must be an int (or None to keep the input order), got {shuffle_seed!r}.")
-    if not isinstance(generation_dtype, torch.dtype) or not generation_dtype.is_floating_point:
-        raise ValueError(f"`generation_dtype` must be a floating torch dtype such as `torch.bfloat16` or "
-                         f"`torch.float32`, got {generation_dtype!r}.")
+    for name, dtype in (("generation_dtype", generation_dtype), ("hidden_dtype", hidden_dtype)):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"`{name}` must be a floating torch dtype such as `torch.bfloat16` or `torch.float32`, "
+                             f"got {dtype!r}.")
     if on_shard_done is not None and not callable(on_shard_done):
         raise ValueError(f"`on_shard_done` must be a callable taking the shard number, or None; got "
                          f"{on_shard_done!r}.")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"`out_dir` {str(out_dir)!r} is a file; give a folder for the prepared data.")
+    if not isinstance(target_labels, bool):
+        raise ValueError(f"`target_labels` must be True or False, got {target_labels!r}.")
+    if prompt_text is not None:
+        _check_choice("prompt_text", prompt_text, PROMPT_TEXT_FORMATS)
+        if not target_labels:
+            raise ValueError(f"`prompt_text={prompt_text!r}` makes the prompts' own text the data; its tokens are "
+                             f"not the target's, so the windows must predict the target's own choices: pass "
+                             f"`target_labels=True`.")
+        if prompts is None or responses is not None:
+            raise ValueError(f"`prompt_text={prompt_text!r}` reads the text of `prompts` and takes no `responses`; "
+                             f"got prompts={'None' if prompts is None else 'given'}, responses="
+                             f"{'None' if responses is None else 'given'}.")
+    if isinstance(exclude_ids, (str, bytes)):
+        raise ValueError(f"`exclude_ids` must be a collection of row ids (e.g. a set), got the string "
+                         f"{exclude_ids!r:.60}.")
     if target_layers is not None:
         num_layers = model.config.get_text_config().num_hidden_layers
         layers = list(target_layers) if isinstance(target_layers, (list, tuple)) else None
@@ -460,9 +554,17 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
                              f"the final state, always stored), or None for the final state only; got "
                              f"{target_layers!r}.")
         target_layers = sorted(layers)
-    rows = _build_rows(tokenizer, prompts, responses, prompt_column)[:limit]
+    if prompt_text is not None:
+        rows = _text_rows(tokenizer, prompts, prompt_column, prompt_text)
+    else:
+        rows = _build_rows(tokenizer, prompts, responses, prompt_column)
+    if exclude_ids is not None:
+        excluded = {str(i) for i in exclude_ids}
+        rows = [r for r in rows if r["id"] not in excluded]
+    rows = rows[:limit]
     if not rows:
-        raise ValueError("There are no rows to prepare: the given `prompts` / `responses` are empty.")
+        raise ValueError("There are no rows to prepare: the given `prompts` / `responses` are empty"
+                         f"{' once `exclude_ids` are left out' if exclude_ids is not None else ''}.")
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(rows)
     vocab = model.config.get_text_config().vocab_size
@@ -477,7 +579,9 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     settings = {"shard_size": shard_size, "prompt_tail": prompt_tail, "max_new_tokens": max_new_tokens,
                 "generation_dtype": str(generation_dtype).removeprefix("torch."),
                 "hidden_size": model.config.get_text_config().hidden_size,
-                "vocab_size": model.config.get_text_config().vocab_size, "target_layers": target_layers}
+                "vocab_size": model.config.get_text_config().vocab_size, "target_layers": target_layers,
+                "target_labels": target_labels, "prompt_text": prompt_text,
+                "hidden_dtype": str(hidden_dtype).removeprefix("torch.")}
     fingerprint = hashlib.sha256("\n".join(ids).encode()).hexdigest()
     # What the rows hold, not only their ids: a changed chat template, prompt column or supplied response resumed
     # into the same directory would mix two data sets. (Manifests written before it existed are checked by ids.)
@@ -489,7 +593,8 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     if (out_dir / MANIFEST).is_file():
         manifest = read_manifest(out_dir)
-        old = {k: manifest.get(k) for k in settings} | {"plan_sha256": manifest.get("plan_sha256")}
+        # (settings added later read as their defaults in manifests written before them)
+        old = {k: manifest.get(k, LATER_SETTINGS.get(k)) for k in settings} | {"plan_sha256": manifest.get("plan_sha256")}
         new = settings | {"plan_sha256": fingerprint}
         if "inputs_sha256" in manifest:
             old["inputs_sha256"], new["inputs_sha256"] = manifest["inputs_sha256"], inputs_sha256
@@ -516,7 +621,7 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
 
     todo = [s for s in range(manifest["num_shards"]) if s not in finished][:max_shards]
-    hidden_model = model if model.dtype == torch.float32 else copy.deepcopy(model).to(torch.float32)
+    hidden_model = model if model.dtype == hidden_dtype else copy.deepcopy(model).to(hidden_dtype)
     gen_model = None
     done = sum(len(rows[s * shard_size:(s + 1) * shard_size]) for s in finished)
     bar = tqdm(total=len(rows), initial=done, desc="prepare (sequences)", unit="seq", disable=not progress,
@@ -551,7 +656,11 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
             hidden = target_hidden_states(hidden_model.eval(), [r["prompt_ids"] + r["response_ids"] for r in part],
                                           layers=target_layers or (),
                                          pad_token_id=pad, max_batch_tokens=max_batch_tokens)
-            _write_shard(out_dir, shard, part, hidden, prompt_tail, target_layers or ())
+            labels = None
+            if target_labels:  # the target's own argmax at the stored positions (the last `prompt_tail` + response)
+                cut = [len(r["prompt_ids"]) - min(prompt_tail, len(r["prompt_ids"])) for r in part]
+                labels = [target_argmax(hidden_model, h[0, c:]) for c, h in zip(cut, hidden)]
+            _write_shard(out_dir, shard, part, hidden, prompt_tail, target_layers or (), labels)
             manifest["finished"] = sorted(set(manifest["finished"]) | {shard})
             _write_index_and_shortlist(out_dir, manifest)
             _atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1))
@@ -576,6 +685,25 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
     """Per-dimension mean and std `(D,)` of the cached target states (the first `max_states` of `shards`, in order;
     default: the finished shards), for `ChainFlowDrafter.set_state_statistics`. `hf-chainflow train` passes its
     `--shards`, so a drafter trained on some shards takes its statistics from those alone."""
+    mean, std = _statistics(data_dir, ["hidden"], max_states, shards)
+    return mean[0], std[0]
+
+
+def layer_statistics(data_dir, layers: Sequence[int], max_states: int = 200_000, shards: list[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and std `(len(layers), D)` of the cached outputs of decoder `layers` (data prepared with
+    `target_layers` holding them), over the states `state_statistics` reads, for
+    `ChainFlowDrafter.set_layer_statistics`."""
+    stored = read_manifest(data_dir).get("target_layers") or []
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers or any(
+            i not in stored for i in layers):
+        raise ValueError(f"`layers` must be a non-empty list of the layers `{data_dir}` stores ({stored}), got "
+                         f"{layers!r}; prepare the data with `--target-layers` naming them.")
+    return _statistics(data_dir, [f"layer_{i}" for i in layers], max_states, shards)
+
+
+def _statistics(data_dir, names: list[str], max_states: int, shards) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std `(len(names), D)` of the shard tensors `names` (float64 sums, returned in float32)."""
     _check_positive("max_states", max_states)
     finished = read_manifest(data_dir)["finished"]
     if shards is not None:
@@ -586,21 +714,22 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
         missing = sorted(set(shards) - set(finished))
         if missing:
             raise ValueError(f"`shards` {missing} are not finished in `{data_dir}` (finished: {finished}).")
-    total, sq, count = None, None, 0
+    total, sq, count = [None] * len(names), [None] * len(names), 0
     for shard in finished if shards is None else shards:
         with safe_open(str(shard_path(data_dir, shard)), framework="pt") as f:
-            h = f.get_tensor("hidden").double()  # (T, D)
-        total = h.sum(0) if total is None else total + h.sum(0)
-        sq = h.pow(2).sum(0) if sq is None else sq + h.pow(2).sum(0)
+            for k, name in enumerate(names):
+                h = f.get_tensor(name).double()  # (T, D)
+                total[k] = h.sum(0) if total[k] is None else total[k] + h.sum(0)
+                sq[k] = h.pow(2).sum(0) if sq[k] is None else sq[k] + h.pow(2).sum(0)
         count += h.shape[0]
         if count >= max_states:
             break
     if not count:
         raise ValueError(f"`{data_dir}` holds no finished shard to take state statistics from; run "
                          f"`hf-chainflow prepare` first.")
-    mean = total / count
-    std = (sq / count - mean.pow(2)).clamp(min=1e-6).sqrt()
-    return mean.float(), std.float()
+    mean = [t / count for t in total]
+    std = [(q / count - m.pow(2)).clamp(min=1e-6).sqrt() for q, m in zip(sq, mean)]
+    return torch.stack(mean).float(), torch.stack(std).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -609,11 +738,12 @@ def state_statistics(data_dir, max_states: int = 200_000, shards: list[int] | No
 
 def check_windows_fit(config, dataset) -> None:
     """Raise a `ValueError` unless the windows of `dataset` (a `ChainFlowWindowDataset`, or a `torch` `Subset` /
-    `ReplayMixDataset` of them) are cut for a drafter of `config`: the same context size `C`, draft positions `K`
-    and path order `p`, from a target of its hidden size. Datasets of other kinds are not checked."""
+    `ReplayMixDataset` of them) are cut for a drafter of `config`: the same context size `C`, draft positions `K`,
+    path order `p` and fused target layers, from a target of its hidden size. Datasets of other kinds are not
+    checked."""
     for part in _window_datasets(dataset):
         got = {"context_size": part.C, "num_draft_positions": part.K, "path_order": part.p,
-               "target_hidden_size": part.hidden_size}
+               "target_hidden_size": part.hidden_size, "target_layer_ids": part.target_layers}
         wrong = {k: v for k, v in got.items() if getattr(config, k, v) != v}  # fields the config lacks: not checked
         if wrong:
             want = {k: getattr(config, k) for k in wrong}
@@ -640,12 +770,15 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
     - `shards`: restrict to these shard numbers (e.g. a held-out split); `domains`: to these domain names.
     - `max_windows`: keep a random subset of this many anchors (seeded by `seed`); `shuffle`: put the anchors in a
       random (seeded) order, for readers without a shuffling sampler.
+    - `target_layers`: decoder layers (stored by `prepare(target_layers=...)`) whose outputs follow the final state
+      in every context state, `(C, (1 + n) D)`, for a drafter with `target_layer_ids`; `None`: the final states.
+    - Data prepared with `target_labels` gives the target's own labels as `target_tokens` (the module docstring).
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, context_len: int = 8, num_draft: int = 8,
                  num_parents: int = 8, shards: Sequence[int] | None = None, domains: Sequence[str] | None = None,
                  max_windows: int | None = None, shuffle: bool = False, seed: int = 0,
-                 max_open_shards: int = 8):
+                 max_open_shards: int = 8, target_layers: Sequence[int] | None = None):
         for name, value in (("context_len", context_len), ("num_draft", num_draft), ("num_parents", num_parents),
                             ("max_open_shards", max_open_shards)):
             _check_positive(name, value)
@@ -663,6 +796,14 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
         self.hidden_size = manifest["hidden_size"]
         self.pad_token_id = manifest["pad_token_id"]
         self.domains = manifest["domains"]
+        stored = manifest.get("target_layers") or []
+        if target_layers is not None and (isinstance(target_layers, (str, bytes)) or not isinstance(
+                target_layers, Sequence) or not target_layers or any(i not in stored for i in target_layers)):
+            raise ValueError(f"`target_layers` must be None (the final states) or a non-empty list of the layers "
+                             f"`{data_dir}` stores ({stored or 'none'}), got {target_layers!r}; prepare the data with "
+                             f"`--target-layers` naming them (`prepare(..., target_layers=...)`).")
+        self.target_layers = None if target_layers is None else list(target_layers)
+        self.labelled = bool(manifest.get("target_labels"))
         finished = manifest["finished"]
         if shards is not None:
             missing = sorted(set(shards) - set(finished))
@@ -684,6 +825,7 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
             with safe_open(str(path), framework="pt") as f:
                 records = json.loads(f.metadata()["sequences"])
                 tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+                labels = f.get_tensor("labels") if self.labelled else None
             for n, rec in enumerate(records):
                 if domains is not None and rec["domain"] not in domains:
                     continue
@@ -694,6 +836,8 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
                     seq_ids.append(np.full(last - first + 1, len(self.sequences), dtype=np.int32))
                 self.sequences.append({**rec, "shard": shard, "start": a, "tokens": tokens[a:a + length].clone(),
                                        "domain_index": self.domains.index(rec["domain"])})
+                if labels is not None:
+                    self.sequences[-1]["labels"] = labels[a:a + length].clone()
         self.seq_of = np.concatenate(seq_ids) if seq_ids else np.zeros(0, np.int32)  # (W,)
         self.anchor = np.concatenate(anchors) if anchors else np.zeros(0, np.int32)  # (W,)
         rng = np.random.default_rng(seed)
@@ -707,11 +851,13 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
     @classmethod
     def for_drafter(cls, data_dir: str | os.PathLike, config, **kwargs) -> "ChainFlowWindowDataset":
         """The windows a drafter of `config` (a `ChainFlowConfig`, or the drafter itself) trains and is evaluated
-        on: its context size, draft positions and path order; `kwargs` as for the constructor (`shards`,
-        `max_windows`, ...). Data prepared with a target of another hidden size is refused."""
+        on: its context size, draft positions, path order and fused layers (`target_layer_ids`); `kwargs` as for
+        the constructor (`shards`, `max_windows`, ...). Data prepared with a target of another hidden size is
+        refused."""
         config = getattr(config, "config", config)  # a drafter: its config
         dataset = cls(data_dir, context_len=config.context_size, num_draft=config.num_draft_positions,
-                      num_parents=config.path_order, **kwargs)
+                      num_parents=config.path_order, target_layers=getattr(config, "target_layer_ids", None),
+                      **kwargs)
         check_windows_fit(config, dataset)
         return dataset
 
@@ -723,23 +869,32 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
         state["_open"] = OrderedDict()
         return state
 
-    def _hidden(self, shard: int):
+    def _shard(self, shard: int):
         handle = self._open.pop(shard, None)
         if handle is None:
             handle = safe_open(str(shard_path(self.data_dir, shard)), framework="pt")
             if len(self._open) >= self.max_open_shards:
                 self._open.popitem(last=False)
         self._open[shard] = handle
-        return handle.get_slice("hidden")
+        return handle
+
+    def _rows(self, shard: int, a: int, b: int) -> torch.Tensor:
+        """Stored rows `a..b-1` of `shard`, float32: the final states `(b - a, D)`, followed along the features by
+        the outputs of `target_layers` (`(b - a, (1 + n) D)`)."""
+        handle = self._shard(shard)
+        rows = handle.get_slice("hidden")[a:b].float()
+        if not self.target_layers:
+            return rows
+        return torch.cat([rows, *(handle.get_slice(f"layer_{i}")[a:b].float() for i in self.target_layers)], -1)
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         seq = self.sequences[int(self.seq_of[k])]
         t, length, C, K, p = int(self.anchor[k]), seq["length"], self.C, self.K, self.p
         lo, hi = max(0, t - C + 1), min(length - 1, t + K)  # stored states needed: h[lo..hi]
-        rows = self._hidden(seq["shard"])[seq["start"] + lo: seq["start"] + hi + 1].float()  # (hi - lo + 1, D)
-        D = rows.shape[-1]
+        rows = self._rows(seq["shard"], seq["start"] + lo, seq["start"] + hi + 1)  # (hi - lo + 1, (1 + n) D)
+        D, W = self.hidden_size, rows.shape[-1]
 
-        context = torch.zeros(C, D)  # (C, D)
+        context = torch.zeros(C, W)  # (C, (1 + n) D)
         n_ctx = t - lo + 1
         context[C - n_ctx:] = rows[: n_ctx]
         context_mask = torch.zeros(C, dtype=torch.bool)
@@ -747,9 +902,12 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
 
         n_tgt = max(0, min(K, length - 2 - t))  # draft position i is valid iff x[t+1+i] exists
         target_states = torch.zeros(K, D)  # (K, D)
-        target_states[:n_tgt] = rows[n_ctx: n_ctx + n_tgt]
+        target_states[:n_tgt] = rows[n_ctx: n_ctx + n_tgt, :D]
         target_tokens = torch.full((K,), self.pad_token_id, dtype=torch.long)
-        target_tokens[:n_tgt] = seq["tokens"][t + 2: t + 2 + n_tgt]
+        if self.labelled:  # the target's own choice after x[..t+1+i], where the text holds x[t+2+i]
+            target_tokens[:n_tgt] = seq["labels"][t + 1: t + 1 + n_tgt]
+        else:
+            target_tokens[:n_tgt] = seq["tokens"][t + 2: t + 2 + n_tgt]
         target_mask = torch.zeros(K, dtype=torch.bool)
         target_mask[:n_tgt] = True
 

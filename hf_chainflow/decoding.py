@@ -31,7 +31,8 @@ from .lookup import next_lookup_length, prompt_lookup
 from .settings import SpeculativeSettings, validate_speculative_call
 from .stats import SpeculativeStats
 from .tree import DraftTree
-from .verification import accept_round, choose_token, commit, process_row, processed_rows, verify_forward
+from .verification import (accept_round, choose_token, commit, process_row, processed_rows, select_target_states,
+                           verify_forward)
 
 
 _process, _processed_rows = process_row, processed_rows  # the loop's names (profiling scripts wrap them)
@@ -93,6 +94,7 @@ def speculative_generate(
     do_sample = settings.do_sample
     max_length = generation_config.max_length
     context_size = drafter.context_size
+    layers = getattr(drafter, "state_layers", ())  # fused target layers (`target_layer_ids`); none: final states
     stats = SpeculativeStats(mode=settings.mode, loop="chainflow")
     drafter.last_stats = stats
     streamer = chainflow_streamer
@@ -107,7 +109,7 @@ def speculative_generate(
     # Logits of the last position only, as `generate` does: a full (L, V) projection of the prompt is wasted work
     # that grows with the prompt.
     out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    states = out.hidden_states[-1][:, -context_size:]  # (1, <=C, D)
+    states = select_target_states(out.hidden_states, layers)[:, -context_size:]  # (1, <=C, D or (1 + m) D)
     first = choose_token(_process(logits_processor, input_ids[0], out.logits[0, -1]), do_sample)
     ids = torch.cat([input_ids, input_ids.new_tensor([[first]])], 1)
     stats.prefill_time = time.perf_counter() - start
@@ -144,7 +146,7 @@ def speculative_generate(
         # 3. Verify: one target forward over [root] + nodes.
         start = time.perf_counter()
         past_len = ids.shape[1] - 1
-        result = verify_forward(model, cache, ids[0, -1], tree, method=gdn_method)
+        result = verify_forward(model, cache, ids[0, -1], tree, method=gdn_method, state_layers=layers)
         rows = _processed_rows(logits_processor, ids[0], tree, result.logits)  # (n, V)
 
         # 4. Accept.

@@ -25,9 +25,10 @@ from .settings import SearchSettings
 
 def drafting_round(drafter, tables: ServingTables, hidden_states: torch.Tensor, tails: torch.LongTensor,
                    settings: SearchSettings, num_flow_steps: int | None) -> tuple:
-    """`hidden_states` `(B, T, D)`, `tails` `(B, p)` (the last `p` committed tokens, the root last) -> `(tokens,
+    """`hidden_states` `(B, T, D)` (`(B, T, (1 + n) D)` with `target_layer_ids`), `tails` `(B, p)` (the last `p` committed tokens, the root last) -> `(tokens,
     parents, depths, logprobs, draft_probs)`, each `(B, N)` (`draft_probs` `(B, N, V)` or `None`)."""
-    states = drafter.predict_states(hidden_states, num_flow_steps=num_flow_steps)  # (B, K, D)
+    states = drafter.predict_states(hidden_states, num_flow_steps=num_flow_steps,
+                                    bonus_tokens=tails[:, -1])  # (B, K, D); the bonus token read with `bonus_embedding`
     return search_levels(drafter, tables, states, tails, settings)
 
 

@@ -83,11 +83,13 @@ def draft_batch(drafter, context_states: torch.Tensor, context_mask: torch.Tenso
                 settings: SearchSettings, num_flow_steps: int | None = None) -> DraftBatch:
     """The drafts of a batch of windows: one drafter pass over their context, then the serving search.
 
-    context_states `(B, C, D)`, context_mask `(B, C)`, committed `(B, p)` (last = bonus) -> `DraftBatch` `(B, N)`.
+    context_states `(B, C, (1 + n) D)` (`n = len(target_layer_ids)`), context_mask `(B, C)`, committed `(B, p)`
+    (last = bonus) -> `DraftBatch` `(B, N)`.
     Each window gets the serving call's draft (`drafter.draft`), up to the rounding of batched products: a near-tie
     between two candidates can fall the other way.
     """
-    states = drafter.predict_states(context_states, context_mask, num_flow_steps)  # (B, K, D)
+    states = drafter.predict_states(context_states, context_mask, num_flow_steps,
+                                    bonus_tokens=committed[:, -1])  # (B, K, D)
     return candidate_search(drafter, states, committed, settings)
 
 

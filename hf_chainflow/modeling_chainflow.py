@@ -1,6 +1,7 @@
 """The ChainFlow drafter: VAE over target states, rectified-flow transport, token-feedback heads, candidate search.
 
-Reading order: small layers (attention, block) -> VAE -> velocity network -> heads -> `ChainFlowDrafter`
+Reading order: small layers (attention, block) -> VAE -> velocity network -> fused target layers -> heads ->
+`ChainFlowDrafter`
 (`forward` for training, `draft` for serving).  Alignment (SPEC.md): with committed tokens `x_1..x_{t+1}` and
 target states `h_1..h_t`, draft position `i = 1..K` predicts the state `h_{t+i}` and so the token `x_{t+1+i}`;
 its parents are `x_{t+i-p+1 .. t+i}`.
@@ -159,16 +160,23 @@ class ChainFlowExpert(nn.Module):
         )
         self.norm = nn.LayerNorm(H)
         self.out_proj = nn.Linear(H, Z)
+        # `bonus_embedding`: the bonus token's frozen embedding, normalised and projected, beside the flow time (the
+        # projection is zero-initialised in `_init_weights`: a fresh drafter starts as the paper's transport).
+        D = config.target_hidden_size
+        self.bonus_proj = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, H)) if config.bonus_embedding else None
         # A network narrower than the latent cannot pass its input through at full rank; a full-rank linear skip
         # lets it (e.g. cancel a noise source, whose ideal velocity contains `-z0`). Initialised in `_init_weights`.
         self.skip = nn.Linear(Z, Z, bias=False) if H < Z else None
         self.source_is_noise = config.source == "noise"
         self.is_causal = config.attention == "causal"
 
-    def forward(self, z, s, context, context_mask):
-        """`z` `(B, P, Z)`, `s` `(B,)`, `context` `(B, C, Z)` -> velocity `(B, P, Z)`."""
+    def forward(self, z, s, context, context_mask, bonus=None):
+        """`z` `(B, P, Z)`, `s` `(B,)`, `context` `(B, C, Z)`, `bonus` `(B, D)` (the bonus token's embedding, read
+        with `bonus_embedding`) -> velocity `(B, P, Z)`."""
         H = self.pos_emb.shape[-1]
         x = self.in_proj(z) + self.pos_emb + self.time_mlp(_time_features(s, H).to(z.dtype))[:, None]  # (B, P, H)
+        if self.bonus_proj is not None:
+            x = x + self.bonus_proj(bonus)[:, None]  # (B, 1, H)
         ctx = self.ctx_proj(context)  # (B, C, H)
         for block in self.blocks:
             x = block(x, is_causal=self.is_causal, context=ctx, context_mask=context_mask)
@@ -184,10 +192,38 @@ class ChainFlowVelocityNet(nn.Module):
         self.expert_size = config.expert_size
         self.experts = nn.ModuleList(ChainFlowExpert(config) for _ in range(config.num_experts))
 
-    def forward(self, z, s, context, context_mask=None):
+    def forward(self, z, s, context, context_mask=None, bonus=None):
         key_mask = _key_mask(context_mask)
         chunks = z.split(self.expert_size, dim=1)  # E x (B, P, Z)
-        return torch.cat([expert(c, s, context, key_mask) for expert, c in zip(self.experts, chunks)], 1)
+        return torch.cat([expert(c, s, context, key_mask, bonus) for expert, c in zip(self.experts, chunks)], 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fused target layers
+# ----------------------------------------------------------------------------------------------------------------
+class ChainFlowLayerFusion(nn.Module):
+    """`W [std(h^(l_1)); ...; std(h^(l_n))]`: the outputs of the decoder layers `target_layer_ids` `(B, T, n*D)` ->
+    `(B, T, Z)`, added to the context latents that condition the velocity network.
+
+    Each layer is standardised per dimension with statistics of the training data (`layer_mean`, `layer_std`
+    `(n, D)`, saved with the drafter; `ChainFlowDrafter.set_layer_statistics`): intermediate residual streams have
+    dimensions hundreds of times larger than the rest. `W` is zero-initialised, so a fresh drafter starts as the
+    final-states-only one.
+    """
+
+    def __init__(self, config: ChainFlowConfig):
+        super().__init__()
+        n, D = len(config.state_layers), config.target_hidden_size
+        self.register_buffer("layer_mean", torch.zeros(n, D))
+        self.register_buffer("layer_std", torch.ones(n, D))
+        self.proj = nn.Linear(n * D, config.latent_size)
+
+    def forward(self, layers):
+        """`layers` `(B, T, n*D)` (layer `l_1`'s output, then `l_2`'s, ...) -> `(B, T, Z)`."""
+        B, T, _ = layers.shape
+        n, D = self.layer_mean.shape
+        x = (layers.reshape(B, T, n, D) - self.layer_mean) / self.layer_std  # (B, T, n, D)
+        return self.proj(x.reshape(B, T, n * D))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -307,10 +343,16 @@ class ChainFlowPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.dec_pos, std=std)
         if isinstance(module, ChainFlowExpert):
             nn.init.normal_(module.pos_emb, std=std)
+            if module.bonus_proj is not None:
+                nn.init.zeros_(module.bonus_proj[1].weight)
+                nn.init.zeros_(module.bonus_proj[1].bias)
             if module.skip is not None:  # -I for a noise source (v = z1 - z0), 0 otherwise
                 nn.init.zeros_(module.skip.weight)
                 if module.source_is_noise:
                     module.skip.weight.fill_diagonal_(-1.0)
+        if isinstance(module, ChainFlowLayerFusion):
+            nn.init.zeros_(module.proj.weight)
+            nn.init.zeros_(module.proj.bias)
         if isinstance(module, ChainFlowPathHead):
             nn.init.normal_(module.offset_proj, std=std)
             nn.init.zeros_(module.out.weight)
@@ -334,6 +376,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         super().__init__(config)
         self.vae = ChainFlowVAE(config) if config.use_vae else None
         self.velocity = ChainFlowVelocityNet(config)
+        self.layer_fusion = ChainFlowLayerFusion(config) if config.target_layer_ids else None
         self.path_head = ChainFlowPathHead(config) if config.feedback == "markov+path" else None
         shortlist = torch.tensor(config.shortlist if config.shortlist is not None else [], dtype=torch.long)
         S = len(config.shortlist) if config.shortlist is not None else config.vocab_size
@@ -384,6 +427,13 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
     def max_draft_depth(self) -> int:
         return self.config.num_draft_positions
 
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Decoder layers (0-based) whose outputs this drafter reads beside the target's final states
+        (`config.target_layer_ids`; `()`: the final states only). The speculative loops hand it
+        `hf_chainflow.verification.select_target_states(outputs.hidden_states, drafter.state_layers)`."""
+        return self.config.state_layers
+
     # ------------------------------------------------------------------ binding the target
     def bind_target(self, target: PreTrainedModel) -> "ChainFlowDrafter":
         """Borrow `target`'s frozen `lm_head` and input embeddings (shared, not copied into the state dict).
@@ -404,6 +454,14 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             mismatched.append("model_type")
         if out_emb.weight.shape != (self.config.vocab_size, self.config.target_hidden_size):
             mismatched.append("lm_head shape")
+        num_layers = getattr(cfg, "num_hidden_layers", None)
+        if self.state_layers and (not isinstance(num_layers, int) or self.state_layers[-1] >= num_layers - 1):
+            raise ValueError(
+                f"This drafter reads the outputs of decoder layers `target_layer_ids={list(self.state_layers)}`, but "
+                f"the target has num_hidden_layers={num_layers!r}: the layers must lie in [0, num_hidden_layers - 1) "
+                f"(the last layer's output is the final state, always read). Train a drafter whose "
+                f"`target_layer_ids` fit this target."
+            )
         if mismatched:
             raise ValueError(
                 f"This drafter was built for target {mine} but was given {theirs} "
@@ -671,6 +729,30 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         self.state_mean.copy_(mean.to(self.state_mean))
         self.state_std.copy_(std.to(self.state_std))
 
+    @torch.no_grad()
+    def set_layer_statistics(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Set the per-dimension mean and std `(n, D)` of the outputs of the fused layers `target_layer_ids` (saved
+        with the drafter; `hf_chainflow.data.layer_statistics` computes them from prepared data). Raises a
+        `ValueError`, and changes nothing, for a drafter without fused layers or statistics of another shape."""
+        fusion = self.layer_fusion
+        if fusion is None:
+            raise ValueError("`set_layer_statistics` sets the statistics of fused target layers, but this drafter has "
+                             "`target_layer_ids=None`; use `set_state_statistics` for the final states.")
+        shape = tuple(fusion.layer_mean.shape)
+        if not isinstance(mean, torch.Tensor) or not isinstance(std, torch.Tensor):
+            raise ValueError(f"`mean` and `std` must be tensors of shape {shape} (one row per layer of "
+                             f"`target_layer_ids={list(self.state_layers)}`), got {type(mean).__name__} and "
+                             f"{type(std).__name__}.")
+        if tuple(mean.shape) != shape or tuple(std.shape) != shape:
+            raise ValueError(f"`mean` and `std` must have shape {shape} (one row per layer of "
+                             f"`target_layer_ids={list(self.state_layers)}`), got {tuple(mean.shape)} and "
+                             f"{tuple(std.shape)}.")
+        if not bool(torch.isfinite(mean).all() and torch.isfinite(std).all()) or not bool((std > 0).all()):
+            raise ValueError("`mean` and `std` must be finite and `std` positive in every dimension; recompute them "
+                             "with `hf_chainflow.data.layer_statistics`.")
+        fusion.layer_mean.copy_(mean.to(fusion.layer_mean))
+        fusion.layer_std.copy_(std.to(fusion.layer_std))
+
     def encode(self, states, mask=None):
         """Posterior mean and log-variance `(B, T, Z)` of standardised states (identity latent without a VAE)."""
         x = self.normalize(states)
@@ -711,31 +793,58 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             self._serving_generator = gen
         return gen
 
-    def integrate(self, z0, context, context_mask=None, num_steps: int = 1, return_trajectory: bool = False):
-        """`num_steps` Euler steps `z <- z + v(z, s, c)/N` from `z0` `(B, K, Z)`."""
+    def integrate(self, z0, context, context_mask=None, num_steps: int = 1, return_trajectory: bool = False,
+                  bonus=None):
+        """`num_steps` Euler steps `z <- z + v(z, s, c)/N` from `z0` `(B, K, Z)` (`bonus` `(B, D)`: the bonus
+        token's embedding, with `bonus_embedding`)."""
         z = z0
         trajectory = []
         for n in range(num_steps):
             s = torch.full((z.shape[0],), n / num_steps, device=z.device, dtype=z.dtype)
-            z = z + self.velocity(z, s, context, context_mask) / num_steps
+            z = z + self.velocity(z, s, context, context_mask, bonus) / num_steps
             trajectory.append(z)
         return torch.stack(trajectory, 1) if return_trajectory else z  # (B, N, K, Z) or (B, K, Z)
 
+    def _condition(self, latents, context_states):
+        """What the velocity network attends to: the context latents `(B, C, Z)`, plus the fused target layers of
+        `context_states` `(B, C, (1 + n) D)` with `target_layer_ids`."""
+        if self.layer_fusion is None:
+            return latents
+        return latents + self.layer_fusion(context_states[..., self.config.target_hidden_size:])
+
+    def _final(self, context_states):
+        """The final states `(..., D)` of context states `(..., (1 + n) D)` (the tensor itself without fused layers)."""
+        return context_states if self.layer_fusion is None else context_states[..., :self.config.target_hidden_size]
+
+    def _bonus(self, bonus_tokens):
+        """The bonus tokens' frozen embeddings `(B, D)` for a drafter with `bonus_embedding`, else None."""
+        if not self.config.bonus_embedding:
+            return None
+        if bonus_tokens is None:
+            raise ValueError("This drafter feeds the bonus token to its transport (`bonus_embedding=True`): pass "
+                             "`bonus_tokens` `(B,)`, the last committed token of each row.")
+        return self._embed(bonus_tokens)
+
     def _context(self, hidden_states, context_mask=None):
+        """Context states `(B, T, (1 + n) D)` (last `C` used) -> the context latents `(B, <=C, Z)` (the flow
+        source), the velocity network's conditioning (`_condition`) and the mask."""
         C = self.config.context_size
-        states = hidden_states[:, -C:].to(self.dtype)  # (B, <=C, D)
+        states = hidden_states[:, -C:].to(self.dtype)  # (B, <=C, (1 + n) D)
         mask = None if context_mask is None else context_mask[:, -C:]
-        mean, _ = self.encode(states, mask)
-        return mean, mask
+        mean, _ = self.encode(self._final(states), mask)
+        return mean, self._condition(mean, states), mask
 
     @torch.no_grad()
-    def predict_states(self, hidden_states, context_mask=None, num_flow_steps: int | None = None):
-        """Serving transport: target states `(B, T, D)` (last `C` used) -> predicted states `(B, K, D)`."""
+    def predict_states(self, hidden_states, context_mask=None, num_flow_steps: int | None = None,
+                       bonus_tokens: torch.LongTensor | None = None):
+        """Serving transport: target states `(B, T, (1 + n) D)` (last `C` used; `n = len(target_layer_ids)`) ->
+        predicted states `(B, K, D)`. `bonus_tokens` `(B,)`: each row's last committed token (read with
+        `bonus_embedding`)."""
         check_num_flow_steps(num_flow_steps)
         steps = self.config.num_flow_steps if num_flow_steps is None else num_flow_steps
-        context, mask = self._context(hidden_states, context_mask)
-        z0 = self.source(context, mask)
-        z1 = self.integrate(z0, context, mask, steps)
+        latents, condition, mask = self._context(hidden_states, context_mask)
+        z0 = self.source(latents, mask)
+        z1 = self.integrate(z0, condition, mask, steps, bonus=self._bonus(bonus_tokens))
         return self.decode(z1)
 
     # ------------------------------------------------------------------ token feedback
@@ -771,7 +880,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         """Training forward over windows (see `hf_chainflow.data`).
 
         Args:
-            context_states (`(B, C, D)`): `h_{t-C+1..t}` (left-padded), `context_mask` `(B, C)`.
+            context_states (`(B, C, (1 + n) D)`): `h_{t-C+1..t}` (left-padded), `context_mask` `(B, C)`; with
+                `target_layer_ids` (`n` layers) each state is followed by those layers' outputs at that position.
             target_states (`(B, K, D)`): `h_{t+1..t+K}`, `target_mask` `(B, K)`.
             target_tokens (`(B, K)`): `x_{t+2..t+K+1}`.
             prev_tokens (`(B, p-1+K)`): `x_{t+2-p..t+K}`; the parents of position `i` are `prev_tokens[:, i-1:i-1+p]`.
@@ -782,6 +892,13 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         B, K, D = target_states.shape
         if K != cfg.num_draft_positions:
             raise ValueError(f"`target_states` must hold K={cfg.num_draft_positions} positions, got {K}.")
+        if context_states.shape[-1] != cfg.context_state_size:
+            raise ValueError(
+                f"`context_states` must have {cfg.context_state_size} features per state (the final state"
+                f"{f' and the outputs of layers {list(self.state_layers)}' if self.state_layers else ''}), got "
+                f"{tuple(context_states.shape)}; build the windows with "
+                f"`ChainFlowWindowDataset.for_drafter(data_dir, drafter.config)`."
+            )
         context_states = context_states.to(self.dtype)
         target_states = target_states.to(self.dtype)
         if context_mask is None:
@@ -790,7 +907,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             target_mask = torch.ones((B, K), dtype=torch.bool, device=self.device)
 
         # 1. VAE: posterior over context and target windows (encoded separately, as at serving time).
-        ctx_mean, ctx_logvar = self.encode(context_states, context_mask)  # (B, C, Z)
+        final_context = self._final(context_states)  # (B, C, D)
+        ctx_mean, ctx_logvar = self.encode(final_context, context_mask)  # (B, C, Z)
         tgt_mean, tgt_logvar = self.encode(target_states, target_mask)  # (B, K, Z)
         if self.vae is not None:
             mean = torch.cat([ctx_mean, tgt_mean], 1)
@@ -801,26 +919,29 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             rmask = torch.cat([context_mask, target_mask], 1)
             kl_el = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean(-1)  # (B, C+K)
             kl = (kl_el * rmask).sum() / rmask.sum().clamp(min=1)
-            recon_targets = self.normalize(torch.cat([context_states, target_states], 1))
+            recon_targets = self.normalize(torch.cat([final_context, target_states], 1))
         else:
             recon = recon_targets = rmask = None
             kl = context_states.new_zeros(())
 
         # 2. Flow matching at a random time s.
+        p = cfg.path_order
         z0 = self.source(ctx_mean, context_mask)  # (B, K, Z)
         z1 = tgt_mean
+        condition = self._condition(ctx_mean, context_states)  # (B, C, Z)
+        bonus = self._bonus(prev_tokens[:, p - 1])  # the bonus token x_{t+1}, with `bonus_embedding`
         s = torch.rand(B, device=self.device, dtype=self.dtype)
         z_s = (1 - s)[:, None, None] * z0 + s[:, None, None] * z1
-        velocity = self.velocity(z_s, s, ctx_mean, context_mask)
+        velocity = self.velocity(z_s, s, condition, context_mask, bonus)
 
         # 3. The N-step trajectory used at serving time, decoded.
-        traj = self.integrate(z0, ctx_mean, context_mask, cfg.train_flow_steps, return_trajectory=True)  # (B,N,K,Z)
+        traj = self.integrate(z0, condition, context_mask, cfg.train_flow_steps, return_trajectory=True,
+                              bonus=bonus)  # (B, N, K, Z)
         N = traj.shape[1]
         predicted = self.decode(traj.reshape(B * N, K, -1)).reshape(B, N, K, D)
         final = predicted[:, -1].contiguous()  # (B, K, D); contiguous so the head products fold into one GEMM
 
         # 4. Heads with teacher-forced parents.
-        p = cfg.path_order
         parents = prev_tokens.unfold(1, p, 1)  # (B, K, p)
         W = self.draft_head_weight()  # (S, D)
         marginal = F.linear(final, W)  # (B, K, S)
@@ -862,7 +983,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         """One drafting round (batch size 1): one drafter pass, then candidate search (`hf_chainflow.search`).
 
         Args:
-            hidden_states (`(1, T, D)`): the target's last states `h_{..t}` (the last `C` are used).
+            hidden_states (`(1, T, D)`): the target's last states `h_{..t}` (the last `C` are used); `(1, T, (1 + n) D)`
+                with `target_layer_ids` (`select_target_states`).
             input_ids (`(1, L)`): committed tokens `x_{..t+1}`; the last one is the bonus token (the tree root).
             mode: `"chain"` (`num_tokens` nodes) or `"tree"` (`tree_width x tree_depth`).
             tree_budget: trees only; keep the `tree_budget` nodes of highest path probability (`None`: all).
@@ -875,12 +997,12 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
                                   tree_budget=tree_budget, do_sample=do_sample, temperature=temperature,
                                   max_depth=self.max_draft_depth)
-        D = self.config.target_hidden_size
+        D = self.config.context_state_size
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[0] != 1 \
                 or hidden_states.shape[1] < 1 or hidden_states.shape[2] != D:
             shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
             raise ValueError(f"`hidden_states` must be the target's last states of shape (1, T, {D}) with T >= 1 "
-                             f"(batch size 1), got {shape}.")
+                             f"(batch size 1){self._layers_hint()}, got {shape}.")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1 \
                 or input_ids.shape[1] < 1 or input_ids.is_floating_point():
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
@@ -923,18 +1045,25 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         settings = SearchSettings(mode=mode, num_tokens=num_tokens, tree_width=tree_width, tree_depth=tree_depth,
                                   tree_budget=tree_budget, do_sample=do_sample, temperature=temperature,
                                   max_depth=self.max_draft_depth)
-        B, D = len(committed), self.config.target_hidden_size
+        B, D = len(committed), self.config.context_state_size
         if hidden_states.dim() != 3 or hidden_states.shape[0] != B or hidden_states.shape[2] != D:
-            raise ValueError(f"`hidden_states` must have shape ({B}, T, {D}) (one row per committed sequence), got "
-                             f"{tuple(hidden_states.shape)}.")
+            raise ValueError(f"`hidden_states` must have shape ({B}, T, {D}) (one row per committed sequence"
+                             f"{self._layers_hint()}), got {tuple(hidden_states.shape)}.")
         if context_mask is not None and tuple(context_mask.shape) != tuple(hidden_states.shape[:2]):
             raise ValueError(f"`context_mask` must have shape {tuple(hidden_states.shape[:2])}, got "
                              f"{tuple(context_mask.shape)}.")
         p, pad = self.config.path_order, self.config.pad_token_id or 0
         tails = torch.cat([committed_tails(ids[None], p, pad) for ids in committed])  # (B, p)
-        states = self.predict_states(hidden_states, context_mask=context_mask, num_flow_steps=num_flow_steps)
+        states = self.predict_states(hidden_states, context_mask=context_mask, num_flow_steps=num_flow_steps,
+                                     bonus_tokens=tails[:, -1])
         batch = DraftBatch(*search_levels(self, self.serving_tables(), states, tails, settings))
         return [batch.tree(i) for i in range(B)]
+
+    def _layers_hint(self) -> str:
+        if not self.state_layers:
+            return ""
+        return (f"; each state is the final state followed by the outputs of decoder layers {list(self.state_layers)} "
+                f"(`hf_chainflow.verification.select_target_states(outputs.hidden_states, drafter.state_layers)`)")
 
     @property
     def compiled_round(self):
@@ -949,7 +1078,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         if not getattr(self.generation_config, "compile_drafting", False):
             return 0.0
         start = time.perf_counter()
-        C, D = self.config.context_size, self.config.target_hidden_size
+        C, D = self.config.context_size, self.config.context_state_size
         self._require_bound()
         # The states arrive in the target's dtype (a key of the compiled round).
         states = torch.zeros(1, C, D, device=self.device, dtype=self._bound["lm_head"].weight.dtype)

@@ -14,9 +14,10 @@ Public API
   -> VerifyInputs`: flattened `[root] + nodes` ids `(1, n)`, positions `past_len + depth` `(1, n)`, the 4-D ancestor
   mask `(1, 1, n, past_len + n)` (bool for sdpa, additive 0/finfo.min for eager), flattened parents and ancestors.
 - `ancestor_mask(ancestors, past_len, attn_implementation, dtype) -> Tensor`: just the 4-D mask.
-- `verify_forward(target, cache, root_token, tree, *, method="chunk") -> VerifyOutput`: scores root and every node in
-  one forward. `.logits` `(n, V)` (row 0 = root, row `i + 1` = node `i`; row r predicts the token after input r),
-  `.hidden_states` `(n, D)` (last layer, after the final norm), `.handle` for `commit`. Works on a `DynamicCache`
+- `verify_forward(target, cache, root_token, tree, *, method="chunk", state_layers=()) -> VerifyOutput`: scores root
+  and every node in one forward. `.logits` `(n, V)` (row 0 = root, row `i + 1` = node `i`; row r predicts the token
+  after input r), `.hidden_states` `(n, D)` (last layer, after the final norm; `(n, (1 + m) D)` with the outputs of
+  the `m` decoder layers `state_layers` after it, `select_target_states`), `.handle` for `commit`. Works on a `DynamicCache`
   (dense targets) and on Qwen3.5 / Qwen3-Next hybrid `DynamicCache(config=...)`; `method` ("chunk" | "fork") picks
   the GDN back-end (see `hf_chainflow.hybrid`).
 - `accept_greedy(tree, logits) -> Acceptance(nodes, bonus)`: longest root-to-node path whose every token is the
@@ -196,8 +197,25 @@ class VerifyOutput:
     """Result of `verify_forward`. Row 0 is the root, row `i + 1` is tree node `i`."""
 
     logits: torch.Tensor  # (n, V)
-    hidden_states: torch.Tensor  # (n, D): last layer, after the final norm (lm_head(hidden_states) == logits)
+    hidden_states: torch.Tensor  # (n, D): last layer, after the final norm (lm_head(hidden_states) == logits);
+    # (n, (1 + m) D) with `state_layers`: each row followed by those m layers' outputs
     handle: CommitHandle
+
+
+def select_target_states(hidden_states: tuple, state_layers: Sequence[int] = ()) -> torch.Tensor:
+    """What a drafter reads from a target forward's `hidden_states` (transformers' tuple: the embeddings, then each
+    decoder layer's output, the last one after the final norm): the final states `(..., T, D)`, or with
+    `state_layers` (a drafter's `state_layers`: 0-based decoder layers) the final states followed by those layers'
+    outputs, `(..., T, (1 + m) D)`."""
+    if not state_layers:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[-1], *(hidden_states[i + 1] for i in state_layers)], -1)
+
+
+def hidden_state_selection(state_layers: Sequence[int] = ()) -> int | list[int]:
+    """`output_hidden_states=` for a forward whose hidden states only `select_target_states(..., state_layers)`
+    reads (transformers keeps only the selected ones)."""
+    return -1 if not state_layers else [i + 1 for i in state_layers] + [-1]
 
 
 _CACHE_KWARG: dict[type, str] = {}
@@ -249,6 +267,7 @@ def verify_forward(
     tree: DraftTree,
     *,
     method: str = "chunk",
+    state_layers: Sequence[int] = (),
 ) -> VerifyOutput:
     """Score `[root] + tree nodes` in one forward of `target` (batch size 1), appending them to `cache`.
 
@@ -259,6 +278,8 @@ def verify_forward(
         root_token: the last committed token, not yet in the cache.
         tree: the draft (`DraftTree.chain(tokens)` for a chain).
         method: GDN back-end for hybrid targets, `"chunk"` (default) or `"fork"` (reference); ignored otherwise.
+        state_layers: decoder layers whose outputs `hidden_states` carries after the final states (the drafter's
+            `state_layers`; default: the final states only).
 
     Returns a `VerifyOutput`; after it the cache holds `past_len + n` KV entries (rejected ones included) and the GDN
     states are untouched until `commit`.
@@ -285,13 +306,14 @@ def verify_forward(
         position_ids=inputs.position_ids,
         attention_mask=inputs.attention_mask,
         use_cache=True,
-        output_hidden_states=-1,  # only the last hidden state is kept
+        output_hidden_states=hidden_state_selection(state_layers),  # only the states the drafter reads are kept
         **{_cache_kwarg(target): cache},
         **extra,
     )
     handle = CommitHandle(past_len=past_len, num_inputs=inputs.input_ids.shape[1],
                           node_parents=tree.parents.tolist(), hybrid=ctx)
-    return VerifyOutput(logits=out.logits[0], hidden_states=out.hidden_states[-1][0], handle=handle)
+    return VerifyOutput(logits=out.logits[0], hidden_states=select_target_states(out.hidden_states, state_layers)[0],
+                        handle=handle)
 
 
 # --------------------------------------------------------------------------------------------------------------

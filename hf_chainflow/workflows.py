@@ -29,7 +29,7 @@ def train_drafter(o: dict) -> int:
     warm-start or resume the drafter, mix in the replay data, train, save to `o["out"]` with
     `train_summary.json`. Returns 0."""
     from hf_chainflow.configuration_chainflow import ChainFlowConfig
-    from hf_chainflow.data import compute_shortlist, read_manifest, read_shortlist, state_statistics
+    from hf_chainflow.data import compute_shortlist, layer_statistics, read_manifest, read_shortlist, state_statistics
     from hf_chainflow.evaluation import strict_json
     from hf_chainflow.modeling_chainflow import ChainFlowDrafter
     from hf_chainflow.targets import load_model_and_tokenizer
@@ -77,6 +77,8 @@ def train_drafter(o: dict) -> int:
         torch.manual_seed(o["seed"])
         model = ChainFlowDrafter(config).to(dtype).bind_target(target)
         model.set_state_statistics(*state_statistics(o["data"], shards=o["shards"]))
+        if model.layer_fusion is not None:  # fused target layers: their statistics, from the same states
+            model.set_layer_statistics(*layer_statistics(o["data"], config.target_layer_ids, shards=o["shards"]))
     config = model.config
     if o["lora"]:
         from hf_chainflow.adapters import add_language_adapter, lora_config

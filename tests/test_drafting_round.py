@@ -25,20 +25,23 @@ def _drafter(target, **overrides):
     torch.manual_seed(0)
     drafter = ChainFlowDrafter(tiny_drafter_config(target, **overrides)).bind_target(target).eval()
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # zero-initialised feedback outputs: give them weight so every term matters
-        for module in (drafter.path_head, drafter.markov_head):
+    with torch.no_grad():  # zero-initialised feedback outputs (and new inputs): give them weight so every term matters
+        extra = [e.bonus_proj for e in drafter.velocity.experts if e.bonus_proj is not None] + [
+            m for m in (drafter.layer_fusion,) if m is not None]
+        for module in (drafter.path_head, drafter.markov_head, *extra):
             for param in module.parameters():
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
     return drafter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [dict(candidate_budget=30), dict(shortlist=list(range(10, 120)))],
-                         ids=["candidate-budget", "shortlist"])
+@pytest.mark.parametrize("overrides", [dict(candidate_budget=30), dict(shortlist=list(range(10, 120))),
+                                       dict(candidate_budget=30, bonus_embedding=True, target_layer_ids=[0])],
+                         ids=["candidate-budget", "shortlist", "bonus-and-fused-layers"])
 def test_the_compiled_round_drafts_what_the_eager_round_drafts(overrides):
     target = tiny_target("llama", num_layers=2)
     drafter = _drafter(target, **overrides)
-    C, D, V = drafter.config.context_size, drafter.config.target_hidden_size, drafter.config.vocab_size
+    C, D, V = drafter.config.context_size, drafter.config.context_state_size, drafter.config.vocab_size
     gen = torch.Generator().manual_seed(3)
     counts = {"same": 0, "near-tie": 0, "different": 0}
     shapes = [dict(mode="chain", num_tokens=4), dict(mode="tree", tree_width=5, tree_depth=4, tree_budget=7)]

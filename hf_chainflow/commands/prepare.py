@@ -4,6 +4,8 @@
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
     hf-chainflow prepare --corpus corpus/smollm2-135m-instruct --out DIR   # the rows of a response corpus
+    hf-chainflow prepare --prompts train.jsonl --prompt-text chat --target-labels \
+        --exclude-heldout corpus/smollm2-135m-instruct --out DIR       # the prompts' own text, no generation
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--batch-size", type=positive_int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest generated response, in tokens")
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16", help="generation dtype")
+    p.add_argument("--hidden-dtype", choices=sorted(DTYPE_NAMES), default="float32",
+                   help="dtype of the hidden-state (and label) pass (default float32; bfloat16 is faster on a CPU with "
+                        "bfloat16 matrix instructions, rounded differently)")
     p.add_argument("--shard-size", type=positive_int, default=128, help="sequences per shard")
     p.add_argument("--max-batch-tokens", type=positive_int, default=4096, help="padded tokens per hidden-state forward")
     p.add_argument("--limit", type=positive_int, help="use only the first N rows")
@@ -40,9 +45,18 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--max-shards", type=positive_int, help="stop after this many new shards")
     p.add_argument("--target-layers", help="comma-separated decoder layers (0-based) whose outputs are cached too "
                                            "(default: the final state only)")
+    p.add_argument("--target-labels", action="store_true",
+                   help="store the target's own next-token choice (its argmax) at every position; the windows predict "
+                        "it instead of the stored tokens (for text the target did not write)")
+    p.add_argument("--prompt-text", choices=("chat", "raw"),
+                   help="make the data the --prompts' own text instead of responses to them, with no generation: "
+                        "`chat`, the user turn through the chat template; `raw`, the text alone (needs --target-labels)")
+    p.add_argument("--exclude-heldout", metavar="CORPUS",
+                   help="leave out the rows whose ids are in this response corpus's held-out split (so nothing is "
+                        "trained on the prompts the drafters are judged on)")
     p.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
     p.add_argument("--device", help="device of the target's passes, e.g. `cuda` (default: `cuda` when available, "
-                                    "else `cpu`); the hidden states are computed in float32 either way")
+                                    "else `cpu`)")
     p.set_defaults(func=run_prepare)
 
 
@@ -60,6 +74,12 @@ def run_prepare(args: argparse.Namespace) -> int:
         raise usage_error("prepare", "give --responses or --corpus, not both: both supply the responses.")
     if args.domains and not args.corpus:
         raise usage_error("prepare", "--domains selects rows of --corpus; give --corpus too.")
+    if args.prompt_text and (not args.prompts or args.responses or args.corpus):
+        raise usage_error("prepare", "--prompt-text makes the data the text of --prompts: give --prompts, and neither "
+                          "--responses nor --corpus.")
+    if args.prompt_text and not args.target_labels:
+        raise usage_error("prepare", "--prompt-text needs --target-labels: the prompts' text is not the target's, so "
+                          "the windows must predict the target's own next tokens.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
@@ -79,6 +99,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     except ValueError:
         raise usage_error("prepare", f"--target-layers must be comma-separated layer numbers such as `3,15,27`, "
                           f"got {args.target_layers!r}.") from None
+    exclude = None
+    if args.exclude_heldout:
+        from hf_chainflow.corpus import ResponseCorpus
+
+        exclude = ResponseCorpus(args.exclude_heldout).ids("heldout")
     responses = args.responses
     if args.corpus:
         from hf_chainflow.corpus import ResponseCorpus
@@ -95,9 +120,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     manifest = prepare(model, tokenizer, args.out, prompts=args.prompts, responses=responses,
                        prompt_column=args.prompt_column, limit=args.limit, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, generation_dtype=getattr(torch, args.dtype),
+                       hidden_dtype=getattr(torch, args.hidden_dtype),
                        shard_size=args.shard_size, max_batch_tokens=args.max_batch_tokens,
                        shuffle_seed=None if args.keep_order else args.shuffle_seed, max_shards=args.max_shards,
-                       target_layers=layers)
+                       target_layers=layers, target_labels=args.target_labels, prompt_text=args.prompt_text,
+                       exclude_ids=exclude)
     print(f"{len(manifest['finished'])}/{manifest['num_shards']} shards finished in {args.out}")
     return 0
 

@@ -168,6 +168,12 @@ class ChainFlowProposer:
         self.device = torch.device(vllm_config.device_config.device)
         dtype = getattr(torch, self.settings.dtype)
         self.drafter = ChainFlowDrafter.from_pretrained(self.settings.drafter_path, dtype=dtype).to(self.device).eval()
+        if self.drafter.state_layers:
+            raise ValueError(
+                f"The drafter at {self.settings.drafter_path} fuses target layers (`target_layer_ids="
+                f"{list(self.drafter.state_layers)}`), but the ChainFlow proposer captures the target's final hidden "
+                "states only. Serve it with transformers' `generate(assistant_model=drafter)`, or use a drafter "
+                "without `target_layer_ids`.")
         K = self.drafter.config.num_draft_positions
         if not 1 <= self.num_tokens <= K:
             raise ValueError(f"`num_speculative_tokens` must be in [1, {K}] for the drafter at "
@@ -289,7 +295,8 @@ class ChainFlowProposer:
         tails = torch.stack([committed_tails(g[2][None], p, self.drafter.config.pad_token_id or 0)[0]
                              for g in group])  # (B, p): all the chain search reads of the committed tokens
         settings = SearchSettings(mode="chain", num_tokens=room, max_depth=self.drafter.max_draft_depth)
-        predicted = self.drafter.predict_states(states, num_flow_steps=self.num_flow_steps)  # (B, K, D)
+        # (B, K, D); the bonus token (the tails' last) is read by a drafter with `bonus_embedding`
+        predicted = self.drafter.predict_states(states, num_flow_steps=self.num_flow_steps, bonus_tokens=tails[:, -1])
         batch = candidate_search(self.drafter, predicted, tails, settings)
         chains = [batch.tree(j).tokens.tolist() for j in range(len(group))]
         for chain in chains:
