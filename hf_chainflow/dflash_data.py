@@ -60,8 +60,7 @@ class DFlashWindowDataset(ChainFlowWindowDataset):
         return dataset
 
     def _layer(self, shard: int, name: str):
-        self._hidden(shard)  # opens the shard file, `max_open_shards` at most
-        return self._open[shard].get_slice(name)
+        return self._shard(shard).get_slice(name)  # the shard file stays open, `max_open_shards` at most
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         seq = self.sequences[int(self.seq_of[k])]
