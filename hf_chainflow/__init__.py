@@ -40,6 +40,11 @@ _EXPORTS = {
     "lora_config": "adapters",
     "load_target": "targets",
     "load_model_and_tokenizer": "targets",
+    "DFlashTrainer": "dflash_trainer",
+    "DFlashTrainingArguments": "dflash_trainer",
+    "DFlashWindowDataset": "dflash_data",
+    "build_dflash_drafter": "dflash",
+    "load_dflash_drafter": "dflash",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -9,6 +9,9 @@ token outside the shortlist).  `chainflow_loss` combines the terms from a `Chain
 
 One term outside the SPEC, off by default (`EXTRA_LOSS_WEIGHTS`): `kd`, the KL divergence from the target's own
 next-token distribution (its `lm_head` over the cached true states) to the drafter's corrected one.
+
+`dflash_loss` is the objective of the DFlash drafters of `hf_chainflow.dflash` (a position-weighted cross-entropy
+of the masked block positions).
 """
 
 from __future__ import annotations
@@ -209,14 +212,60 @@ def chainflow_loss(output, weights: Mapping[str, float] | None = None, *, gamma:
     return total, terms
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# DFlash (hf_chainflow.dflash): block-diffusion cross-entropy of a drafter that fills B - 1 masks in one forward
+# ----------------------------------------------------------------------------------------------------------------
+
+def block_acceptance_lengths(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """Per block `(N,)`: how many of its drafted tokens greedy verification would accept, the length of the leading
+    run of `predictions == labels` over positions where `label_mask` holds (a block ends at the first wrong or
+    missing token). predictions, labels, label_mask `(N, K)`."""
+    hit = (predictions == labels) & label_mask.bool()  # (N, K)
+    return hit.long().cumprod(-1).sum(-1)
+
+
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, *,
+                decay_gamma: float | None = 4.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DFlash training objective: cross-entropy of the target tokens at the `K = B - 1` masked block positions,
+    position `j` (1-based) weighted by `exp(-(j - 1) / decay_gamma)` (a token after an early mistake is never
+    accepted, so early positions matter more; `None`: equal weights), a weighted mean over the valid positions.
+
+    logits `(N, K, V)` (target vocabulary), labels `(N, K)`, label_mask `(N, K)` True where the token exists.
+    Returns `(loss, terms)`; `terms` (detached): `ce` (the loss), `accuracy` (top-1 over valid positions) and `tau`
+    (1 + the mean accepted length of greedy verification, `block_acceptance_lengths`: the offline acceptance
+    length of these blocks).
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2] or label_mask.shape != labels.shape:
+        raise ValueError(f"`logits` must be (N, K, V) with `labels` and `label_mask` (N, K); got "
+                         f"{tuple(logits.shape)}, {tuple(labels.shape)}, {tuple(label_mask.shape)}.")
+    if decay_gamma is not None and not decay_gamma > 0:
+        raise ValueError(f"`decay_gamma` must be > 0 (or None for equal weights), got {decay_gamma!r}.")
+    n, k, v = logits.shape
+    mask = label_mask.bool()
+    ce = F.cross_entropy(logits.float().reshape(-1, v), labels.masked_fill(~mask, 0).reshape(-1),
+                         reduction="none").view(n, k)  # (N, K)
+    weight = torch.ones(k, device=logits.device)
+    if decay_gamma is not None:
+        weight = torch.exp(-torch.arange(k, device=logits.device, dtype=torch.float32) / decay_gamma)  # (K,)
+    weight = weight[None] * mask.float()  # (N, K)
+    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-12)
+    with torch.no_grad():
+        predictions = logits.argmax(-1)  # (N, K)
+        accuracy = ((predictions == labels) & mask).sum() / mask.sum().clamp(min=1)
+        tau = 1.0 + block_acceptance_lengths(predictions, labels, mask).float().mean()
+    return loss, {"ce": loss.detach(), "accuracy": accuracy.float(), "tau": tau}
+
+
 __all__ = [
     "DEFAULT_LOSS_WEIGHTS",
     "EXTRA_LOSS_WEIGHTS",
     "IGNORE_INDEX",
     "acceptance_loss",
+    "block_acceptance_lengths",
     "chainflow_loss",
     "coverage_loss",
     "cross_entropy_loss",
+    "dflash_loss",
     "distillation_loss",
     "flow_matching_loss",
     "hidden_state_loss",

@@ -113,15 +113,7 @@ def train_drafter(o: dict) -> int:
         )
     target.to(training_args.device)  # the drafter borrows its lm_head: it trains where the Trainer puts the drafter
     trainer = ChainFlowTrainer(model=model, args=training_args, train_dataset=train_set)
-    first_step = 0
-    if resume:
-        from transformers import TrainerState
-
-        first_step = TrainerState.load_from_json(str(Path(resume, "trainer_state.json"))).global_step
-    start = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resume)
-    elapsed = time.perf_counter() - start
-    trainer.save_model(o["out"])  # the main process writes (transformers' rule); the others return here
+    result, first_step, elapsed = run_training(trainer, resume, o["out"])
     if not trainer.is_world_process_zero():
         return 0
     windows_per_step = o["batch_size"] * o["grad_accum"] * training_args.world_size  # every process's batches
@@ -136,6 +128,22 @@ def train_drafter(o: dict) -> int:
           f"{summary['windows_this_run']} windows in {elapsed:.1f} s ({summary['windows_per_second']} windows/s), "
           f"train loss {result.training_loss:.4f}")
     return 0
+
+
+def run_training(trainer, resume: str | None, out: str) -> tuple:
+    """`trainer.train(resume_from_checkpoint=resume)`, timed, then `trainer.save_model(out)` (the main process
+    writes, transformers' rule). Returns `(result, first_step, seconds)`; `first_step` is the resumed checkpoint's
+    step (0 on a fresh run)."""
+    first_step = 0
+    if resume:
+        from transformers import TrainerState
+
+        first_step = TrainerState.load_from_json(str(Path(resume, "trainer_state.json"))).global_step
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    elapsed = time.perf_counter() - start
+    trainer.save_model(out)
+    return result, first_step, elapsed
 
 
 def vae_pretrain_summary(losses: list[float] | None) -> dict | None:
@@ -183,4 +191,5 @@ def evaluate_drafter(drafter: str, data: str, *, target: str = "smollm2-135m-ins
     return result
 
 
-__all__ = ["evaluate_drafter", "throughput_summary", "train_drafter", "vae_pretrain_summary", "window_dataset"]
+__all__ = ["evaluate_drafter", "run_training", "throughput_summary", "train_drafter", "vae_pretrain_summary",
+           "window_dataset"]

@@ -21,6 +21,7 @@ from hf_chainflow.bench import (
     warm_up_arms,
     write_results,
 )
+from hf_chainflow.bench.defaults import PADDED_FLOAT32_TIE_TOLERANCE
 from hf_chainflow.commands.bench import _parse_extra_drafters, _parse_tree
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
@@ -56,6 +57,13 @@ def test_classify_divergence_hand_made_logits():
     assert classify_divergence(logits, 7, 3, "bfloat16", tolerance=0.25)["kind"] == "near_tie"
     # float32 is exact: even a tiny gap is a bug.
     assert classify_divergence(logits, 3, 7, "float32", tolerance=0.25)["kind"] == "unexplained"
+    # A row of a left-padded batch in float32: a near-tie only within PADDED_FLOAT32_TIE_TOLERANCE, whatever
+    # `tolerance` says (logits 3 and 7 are 0.125 apart, far beyond float32 rounding).
+    assert classify_divergence(logits, 3, 7, "float32", tolerance=0.25, padded=True)["kind"] == "unexplained"
+    close = logits.clone()
+    close[7] = close[3] - PADDED_FLOAT32_TIE_TOLERANCE / 2
+    assert classify_divergence(close, 3, 7, "float32", padded=True)["kind"] == "near_tie"
+    assert classify_divergence(close, 3, 7, "float32")["kind"] == "unexplained"
     # One output ended where the other went on.
     assert classify_divergence(logits, 3, None, "bfloat16")["kind"] == "unexplained"
 

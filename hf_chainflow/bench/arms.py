@@ -1,5 +1,6 @@
 """The bench's arms: one way of generating in one dtype (plain greedy `ar`, prompt lookup `pld`, a drafter's
-chain or tree, or a custom function), and one timed greedy `generate` call of an arm on one prompt (`Run`)."""
+chain or tree, stock transformers' DFlash decoding, or a custom function), and one timed greedy `generate` call of an
+arm on one prompt (`Run`)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from .defaults import BASE_ARMS
 class Arm:
     """One way of generating, in one dtype.
 
-    `kind` is `"ar"`, `"pld"`, `"chain"`, `"tree"` or `"custom"`. Chain/tree arms name their `drafter` (a key of the
-    `drafters` given to `run_bench`). A custom arm (tests, experiments) calls
-    `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
+    `kind` is `"ar"`, `"pld"`, `"chain"`, `"tree"`, `"dflash"` or `"custom"`. Chain/tree arms name their `drafter`
+    (a key of the `drafters` given to `run_bench`); a `dflash` arm names a DFlash drafter (`hf_chainflow.dflash`) in
+    the arm's dtype, run by stock transformers (`speculation_type="dflash"`). A custom arm (tests, experiments)
+    calls `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
     """
 
     name: str
@@ -35,21 +37,26 @@ class Arm:
 
     @property
     def speculative(self) -> bool:
+        """A ChainFlow drafter's arm (its `last_stats` say what it did)."""
         return self.kind in ("chain", "tree")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.speculative or self.kind == "dflash"
 
 
 def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
                tree: tuple[int, int] | None = None, tree_budget: int | None = None,
                lookup: dict | None = None, default_drafter: str = "chainflow",
-               only: list[str] | None = None) -> list[Arm]:
+               only: list[str] | None = None, dflash: bool = False) -> list[Arm]:
     """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
 
     `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
     length `num_assistant_tokens`, tree shape `tree_width` x `tree_depth` and `tree_budget`; `chain`/`tree`/
     `tree_budget` override them). The
     default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `lookup` (the
-    `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `only` keeps the arms of
-    those names.
+    `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `dflash` adds the `dflash`
+    arm (the DFlash drafter named `"dflash"`). `only` keeps the arms of those names.
     """
     names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
                                                       ("pld", "pld", None, {"prompt_lookup_num_tokens": pld_tokens})]
@@ -65,6 +72,8 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
         if lookup is not None and dname == default_drafter:
             names.append(("tree+lookup", "tree", dname, {"tree_width": width, "tree_depth": depth,
                                                           "tree_budget": budget, **lookup}))
+    if dflash:
+        names.append(("dflash", "dflash", "dflash", {}))
     if only is not None:
         known = [n[0] for n in names]
         unknown = [o for o in only if o not in known]
@@ -121,10 +130,12 @@ def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, d
     if pad_token_id is not None:
         kwargs["pad_token_id"] = pad_token_id
     counter = None
-    if arm.kind in ("ar", "pld"):
+    if arm.kind in ("ar", "pld", "dflash"):
         counter = _ForwardCounter(model)
         if arm.kind == "pld":
             kwargs["prompt_lookup_num_tokens"] = arm.settings["prompt_lookup_num_tokens"]
+        if arm.kind == "dflash":  # stock transformers' DFlash candidate generator
+            kwargs["assistant_model"], kwargs["speculation_type"] = drafter, "dflash"
     elif arm.speculative:
         configure_drafter(drafter, arm)
         kwargs["assistant_model"] = drafter

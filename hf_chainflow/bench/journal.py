@@ -66,7 +66,7 @@ def config_digest(model) -> str:
     """
     skip = ("_name_or_path", "transformers_version", "_from_model_config")
     dicts = {name: {k: v for k, v in getattr(model, name).to_diff_dict().items() if k not in skip}
-             for name in ("config", "generation_config")}
+             for name in ("config", "generation_config") if getattr(model, name, None) is not None}
     return hashlib.sha256(json.dumps(dicts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -41,7 +41,7 @@ def _pooled_stats(runs: list[Run]) -> SpeculativeStats | None:
 def _tau(arm: Arm, runs: list[Run]) -> float | None:
     if arm.kind == "ar":
         return 1.0
-    if arm.kind == "pld":
+    if arm.kind in ("pld", "dflash"):  # one target forward per round
         forwards = sum(r.forwards - 1 for r in runs)  # after the prefill
         tokens = sum(max(r.new_tokens - 1, 0) for r in runs)  # the prefill's token is not a round's
         return tokens / forwards if forwards else None
@@ -88,7 +88,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
             raise ValueError(f"Arm {arm.key} needs a target in {arm.dtype}; `models` has {sorted(models)}.")
         if not any(a.kind == "ar" and a.dtype == arm.dtype for a in arms):
             raise ValueError(f"Arm {arm.key} has no `ar@{arm.dtype}` baseline: keep the `ar` arm in every dtype.")
-        if arm.speculative and arm.dtype not in drafters.get(arm.drafter, {}):
+        if arm.uses_drafter and arm.dtype not in drafters.get(arm.drafter, {}):
             raise ValueError(f"Arm {arm.key} needs drafter {arm.drafter!r} bound to the {arm.dtype} target.")
     keys = [a.key for a in arms]
     if len(set(keys)) != len(keys):
@@ -119,7 +119,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     started = time.perf_counter()
 
     def go(arm: Arm, prompt: BenchPrompt, n: int) -> Run:
-        drafter = drafters[arm.drafter][arm.dtype] if arm.speculative else None
+        drafter = drafters[arm.drafter][arm.dtype] if arm.uses_drafter else None
         return run_arm(arm, models[arm.dtype], prompt.input_ids, n, drafter, eos_token_id, pad_token_id)
 
     # 1. this part of the run: journal it and warm up, unless the journal already holds every prompt
@@ -285,8 +285,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
               prompts: str | os.PathLike | None = None, limit: int | None = None, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
               resume: bool = False, partial: bool = False, progress: bool = True,
-              compile_drafting: bool | None = None,
-              batch_sizes: list[int] | None = None) -> tuple[dict, dict[str, Path]]:
+              compile_drafting: bool | None = None, batch_sizes: list[int] | None = None,
+              dflash: str | os.PathLike | None = None) -> tuple[dict, dict[str, Path]]:
     """Load the target (a known name or a model directory, see `hf_chainflow.targets.load_model_and_tokenizer`) in
     every dtype of `dtypes` and each drafter of `drafter_paths` (name -> directory; `"chainflow"` is the default
     drafter, whose arms are `chain`/`tree`/`tree+lookup`) bound to each copy, run every arm on the prompts
@@ -301,10 +301,18 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`). With
     `batch_sizes`, runs the batched bench instead (`hf_chainflow.bench.batched`: plain batched `generate` against
     each drafter arm at every batch size) and writes `batched_results.json` / `.md` to `output_dir`.
+
+    `dflash`: a DFlash drafter folder (`hf-chainflow train --drafter-type dflash`), loaded in each target dtype
+    (`hf_chainflow.dflash.load_dflash_drafter`: stock transformers feeds it the target's tensors as they are) and run
+    as the `dflash` arm by stock transformers (`speculation_type="dflash"`); its τ is counted like prompt lookup's.
+    Stock DFlash decoding is batch 1, so it has no place in the batched bench.
     """
     from ..modeling_chainflow import ChainFlowDrafter
     from ..targets import load_model_and_tokenizer
 
+    if dflash is not None and batch_sizes is not None:
+        raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
+                         "time (assisted decoding is batch 1); run the DFlash arm in the ordinary bench.")
     all_rows = load_prompts(prompts)
     rows = stratified_selection(all_rows, limit)
     chosen = {r["id"] for r in rows}
@@ -316,6 +324,11 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
         for name, path in drafter_paths.items():
             drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
                                                                   dtype=getattr(torch, drafter_dtype)).eval()
+    dflash_drafters = {}
+    if dflash is not None:
+        from ..dflash import load_dflash_drafter
+
+        dflash_drafters = {dt: load_dflash_drafter(dflash, models[dt]) for dt in dtypes}
     if lookup is None and "chainflow" in drafters:  # the default drafter's own lookup setting, if it has one
         g = drafters["chainflow"][dtypes[0]].generation_config
         if getattr(g, "lookup_num_tokens", None) is not None:
@@ -323,8 +336,11 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
                       "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
                       "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=pld_tokens,
-                      chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only)
+                      chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only,
+                      dflash=dflash is not None)
     drafting = warm_up_arms(arms, drafters, compile_drafting)
+    if dflash is not None:
+        drafters["dflash"] = dflash_drafters
     bench_prompts = tokenize_prompts(tokenizer, rows)
     warmup = tokenize_prompts(tokenizer, [warm_row])[0]
     gen = models[dtypes[0]].generation_config
@@ -344,6 +360,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
                 "drafter_dtype": drafter_dtype, "dtypes": dtypes,
                 "prompts": str(prompts or default_prompts_path()), "limit": limit,
                 "pld_tokens": pld_tokens, "threads": torch.get_num_threads(), "drafting": drafting}
+    if dflash is not None:  # (absent otherwise: the journals of runs without it resume as before)
+        settings["dflash"] = str(dflash)
     results = run_bench(models, bench_prompts, arms, drafters, max_new_tokens=max_new_tokens,
                         tie_tolerance=tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
                         pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=progress,

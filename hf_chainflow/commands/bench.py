@@ -1,4 +1,4 @@
-"""`hf-chainflow bench`: wall-clock speed and exactness of plain, prompt-lookup and ChainFlow decoding.
+"""`hf-chainflow bench`: wall-clock speed and exactness of plain, prompt-lookup, ChainFlow and DFlash decoding.
 
 One run, arms interleaved prompt by prompt (every arm runs on a prompt before the next prompt starts), so machine
 noise hits all arms alike. Arms (each in every requested dtype, with its own target copy in that dtype):
@@ -8,6 +8,7 @@ noise hits all arms alike. Arms (each in every requested dtype, with its own tar
     chain, tree  the ChainFlow drafter (`generate(assistant_model=drafter)`), chain / tree drafting
     tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.lookup`)
     NAME-chain, NAME-tree   any extra drafter (`--drafter NAME=PATH`, e.g. a FlashMap-style drafter)
+    dflash       a DFlash drafter (`--dflash PATH`) run by stock transformers (`speculation_type="dflash"`)
 
 Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Each finished prompt is journaled (`runs.jsonl`, see
 `hf_chainflow.bench.journal`), so a long run can stop and continue with `--resume`. Reported per arm and per domain:
@@ -19,7 +20,8 @@ Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Each finished prompt 
 - `same_length` (top level): the speedups again on the prompts where every arm of a dtype emitted as many tokens as
   `ar` (`hf_chainflow.bench.report`), so that bf16 texts of different lengths do not move a domain's figure;
 - `tau`: tokens per target forward after the prefill, bonus included (`ar`: 1; `pld`: counted with a forward hook;
-  drafter arms: `drafter.last_stats`); acceptance per draft depth, drafting / verification seconds per round;
+  `dflash` too; ChainFlow drafter arms: `drafter.last_stats`); acceptance per draft depth, drafting /
+  verification seconds per round (ChainFlow arms);
 - `mismatches`: prompts whose output differs from the same-dtype `ar` output, each classified at its first
   diverging position (see `hf_chainflow.bench.numerics`).
 """
@@ -57,8 +59,9 @@ def _parse_extra_drafters(items: list[str] | None) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path or not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"`--drafter` must be NAME=PATH (NAME alphanumeric, '-' or '_'), got {item!r}.")
-        if name in out or name == "chainflow":
-            raise ValueError(f"`--drafter` names must be unique and not 'chainflow' (the default drafter), got {name!r}.")
+        if name in out or name in ("chainflow", "dflash"):
+            raise ValueError(f"`--drafter` names must be unique and not 'chainflow' (the default drafter) or 'dflash' "
+                             f"(`--dflash`), got {name!r}.")
         out[name] = path
     return out
 
@@ -80,6 +83,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
     p.add_argument("--drafter", action="append", metavar="NAME=PATH",
                    help="an extra drafter, run as NAME-chain / NAME-tree arms (repeatable)")
+    p.add_argument("--dflash", metavar="PATH",
+                   help="a DFlash drafter folder (`hf-chainflow train --drafter-type dflash`), run as the `dflash` arm "
+                        "by stock transformers, in each target dtype (batch 1; not with --batch-sizes)")
     p.add_argument("--no-default-drafter", action="store_true", help="run no `chain`/`tree` arms of the default drafter")
     p.add_argument("--arms", help="comma-separated arm names to run (default: all, e.g. ar,pld,chain,tree)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
@@ -136,6 +142,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from hf_chainflow.lookup import lookup_settings
 
     batch_sizes = _parse_batch_sizes(args.batch_sizes)
+    if args.dflash is not None and batch_sizes is not None:
+        raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
+                         "time (assisted decoding is batch 1); run the `dflash` arm without `--batch-sizes`.")
     if batch_sizes is not None and (args.resume or args.partial_report):
         raise ValueError("`--batch-sizes` runs the batched bench, which keeps no journal: drop `--resume` / "
                          "`--partial-report`.")
@@ -168,13 +177,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
                          f"`--no-default-drafter` leaves it out; drop one of the two.")
     if only is not None:  # checked here, before loading: the drafters not asked for are not loaded at all
         possible = ["ar", "pld"] + ([] if args.no_default_drafter else sorted(default_arms)) + [
-            f"{n}-{kind}" for n in paths if n != "chainflow" for kind in ("chain", "tree")]
+            f"{n}-{kind}" for n in paths if n != "chainflow" for kind in ("chain", "tree")] + (
+            ["dflash"] if args.dflash else [])
         unknown = [a for a in only if a not in possible]
         if unknown:
             raise ValueError(f"`--arms` names unknown arms {unknown}; this command can run {possible}.")
     for name, path in paths.items():
         if name != "chainflow" or args.drafter_path:
             check_model_source("--drafter-path" if name == "chainflow" else f"--drafter {name}=PATH", path)
+    if args.dflash is not None:
+        check_model_source("--dflash", args.dflash)
     check_output_dir("--output-dir", args.output_dir)
 
     results, written = benchmark(
@@ -183,7 +195,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         compile_drafting=args.compile_drafting,
         limit=args.limit, max_new_tokens=args.max_new_tokens, tie_tolerance=args.tie_tolerance,
         output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, progress=not args.no_progress,
-        batch_sizes=batch_sizes)
+        batch_sizes=batch_sizes, dflash=args.dflash)
     if batch_sizes is not None:
         from hf_chainflow.bench.batched import batched_table
 

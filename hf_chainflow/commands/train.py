@@ -6,16 +6,23 @@
     hf-chainflow train --init-from D1 --data NEW --replay OLD1 --replay-shards 0-20 --replay OLD2 --replay-shards all
     hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_ADAPTER --lora tr
     hf-chainflow eval-offline --drafter DRAFTER_DIR --data HELD_OUT_DIR --out REPORT_DIR [--tree 8x4]
+    hf-chainflow train --drafter-type dflash --data DATA_DIR --out DFLASH_DIR [--config train_dflash.yaml]
 
 `--config` reads a YAML mapping whose keys are the long option names (with `_` or `-`); options given on the
 command line win over the file.  Two keys take mappings: `drafter` (ChainFlowConfig fields for a fresh drafter) and
 `training_args` (any `ChainFlowTrainingArguments` field, e.g. the loss weights); on the command line they are the
 repeatable `--drafter-arg KEY=VALUE` and `--training-arg KEY=VALUE` (values parsed as YAML).
+
+`--drafter-type dflash` trains a DFlash drafter instead (`hf_chainflow.dflash_workflow`), a plain transformers
+`muse_glimmer_assistant` folder that stock transformers runs with `generate(..., speculation_type="dflash")`: data
+prepared with `--target-layers`; `drafter` holds `hf_chainflow.dflash.DFLASH_DRAFTER_FIELDS`, `training_args`
+`DFlashTrainingArguments` fields; the ChainFlow-only options (`--lora`, `--vae-*`, `--train-flow-steps`) are refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from hf_chainflow.cli_args import check_model_source, check_output_dir, parse_shards, usage_error
@@ -27,7 +34,9 @@ TRAIN_DEFAULTS = {
     "logging_steps": 50, "save_steps": 500, "save_total_limit": 2, "vae_pretrain_steps": 0, "vae_lr_ratio": 1 / 20,
     "train_flow_steps": None, "max_windows": None, "shards": None, "replay": None, "replay_shards": None, "replay_fraction": 0.2, "num_workers": 0,
     "resume": None, "threads": None, "dtype": "float32", "drafter": {}, "training_args": {},
+    "drafter_type": "chainflow",
 }
+DRAFTER_TYPES = ("chainflow", "dflash")
 
 
 def _numbers(value):
@@ -57,6 +66,8 @@ def add_train_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--config", help="YAML file of options (keys = long option names); the command line overrides it")
+    a("--drafter-type", choices=DRAFTER_TYPES,
+      help="chainflow (default) or dflash: a DFlash drafter for stock transformers' speculation_type='dflash'")
     a("--target", help=f"known target name or local model directory (default {TRAIN_DEFAULTS['target']})")
     a("--data", help="prepared data directory (`hf-chainflow prepare --out`)")
     a("--out", help="output directory: the drafter (or adapter) and the checkpoints")
@@ -132,6 +143,16 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
     if opts["replay_shards"] is not None and not opts["replay"]:
         raise usage_error("train", "--replay-shards selects shards of the --replay data; give --replay too.")
     opts["replay"], opts["replay_shards"] = replay_sources(opts["replay"], opts["replay_shards"])
+    if opts["drafter_type"] not in DRAFTER_TYPES:
+        raise usage_error("train", f"--drafter-type must be one of {list(DRAFTER_TYPES)}, got "
+                          f"{opts['drafter_type']!r}.")
+    if opts["drafter_type"] == "dflash":
+        from hf_chainflow.dflash_workflow import CHAINFLOW_ONLY_OPTIONS
+
+        given = [k for k in CHAINFLOW_ONLY_OPTIONS if opts[k] != TRAIN_DEFAULTS[k]]
+        if given:
+            raise usage_error("train", f"{['--' + k.replace('_', '-') for k in given]} train ChainFlow drafters; a "
+                              f"DFlash drafter (--drafter-type dflash) has no VAE, flow or adapters: drop them.")
     if opts["lora"] and not opts["init_from"]:
         raise usage_error("train", "--lora adapts an existing drafter; give it with --init-from.")
     _check_train_numbers(opts)
@@ -184,6 +205,13 @@ def _check_field_names(opts: dict) -> None:
     checks = (("--drafter-arg", "drafter", set(ChainFlowConfig.__annotations__), "ChainFlowConfig"),
               ("--training-arg", "training_args", {f.name for f in dataclasses.fields(ChainFlowTrainingArguments)},
                "ChainFlowTrainingArguments"))
+    if opts["drafter_type"] == "dflash":
+        from hf_chainflow.dflash import DFLASH_DRAFTER_FIELDS
+        from hf_chainflow.dflash_trainer import DFlashTrainingArguments
+
+        checks = (("--drafter-arg", "drafter", set(DFLASH_DRAFTER_FIELDS), "hf_chainflow.dflash.dflash_config"),
+                  ("--training-arg", "training_args", {f.name for f in dataclasses.fields(DFlashTrainingArguments)},
+                   "DFlashTrainingArguments"))
     for flag, key, fields, owner in checks:
         unknown = sorted(set(opts[key]) - fields)
         if unknown:
@@ -223,7 +251,12 @@ def run_train(args: argparse.Namespace) -> int:
     o = resolve_train_options(args)
     out = Path(o["out"])
     created = not out.exists()
-    from hf_chainflow.workflows import train_drafter
+    if o["drafter_type"] == "dflash":
+        from hf_chainflow.dflash_workflow import train_dflash_drafter
+
+        train_drafter = functools.partial(train_dflash_drafter, defaults=TRAIN_DEFAULTS)
+    else:
+        from hf_chainflow.workflows import train_drafter
 
     try:
         return train_drafter(o)
@@ -233,5 +266,5 @@ def run_train(args: argparse.Namespace) -> int:
         raise
 
 
-__all__ = ["TRAIN_DEFAULTS", "add_train_parser", "parse_shard_selection", "replay_sources", "resolve_train_options",
-           "run_train"]
+__all__ = ["DRAFTER_TYPES", "TRAIN_DEFAULTS", "add_train_parser", "parse_shard_selection", "replay_sources",
+           "resolve_train_options", "run_train"]
