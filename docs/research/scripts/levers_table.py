@@ -1,0 +1,98 @@
+"""The levers ablation table (issue 39, item 1): every arm's held-out serving walk against the control R.
+
+Reads, from one runs folder, `walk632-ARM/offline_eval.json` (from `hf-chainflow eval-offline --walk-sequences`) and
+`ARM/train_summary.json` (from `hf-chainflow train`) for each arm, and writes `ablation.md` (walk chain and tree tau,
+the paired-bootstrap difference from R with its 95 % interval, training time) and `ablation.png` (the differences
+with their intervals) to `--out`:
+
+    python docs/research/scripts/levers_table.py --runs runs/levers --arms R,B,L,BL,P --reference S \
+        --out docs/research/results/levers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from hf_chainflow.evaluation import paired_walk_difference, walk_tau  # noqa: E402
+
+MODES = ("chain", "tree")
+
+
+def load_walk(runs: Path, arm: str) -> dict:
+    path = runs / f"walk632-{arm}" / "offline_eval.json"
+    walk = json.loads(path.read_text()).get("walk")
+    if not walk:
+        raise SystemExit(f"{path} has no serving walk: run eval-offline with --walk-sequences")
+    return walk
+
+
+def verdict(tree: dict, chain: dict) -> str:
+    """The plan's deciding rule, against R."""
+    low, high = tree["ci95"]
+    if low > 0 and chain["difference"] >= 0:
+        return "helps"
+    if high < 0:
+        return "hurts"
+    return "no measurable effect"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=Path, required=True, help="folder with ARM/ and walk632-ARM/ of every arm")
+    parser.add_argument("--arms", default="R,B,L,BL,P", help="comma-separated arms; the first is the control")
+    parser.add_argument("--reference", help="an untrained arm walked too (its walk only, e.g. S)")
+    parser.add_argument("--resamples", type=int, default=10000)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    arms = args.arms.split(",")
+    control = arms[0]
+    walks = {arm: load_walk(args.runs, arm) for arm in arms + ([args.reference] if args.reference else [])}
+
+    rows, diffs = [], {}
+    header = ("| arm | walk chain τ | walk tree τ | chain − R (95 %) | tree − R (95 %) | reading | training s |\n"
+              "|---|---|---|---|---|---|---|")
+    for arm, walk in walks.items():
+        chain, tree = walk_tau(walk["chain"]), walk_tau(walk["tree"])
+        summary = args.runs / arm / "train_summary.json"
+        seconds = f"{json.loads(summary.read_text())['train_seconds']:.0f}" if summary.exists() else "–"
+        if arm == control:
+            rows.append(f"| {arm} (control) | {chain:.4f} | {tree:.4f} | – | – | – | {seconds} |")
+            continue
+        d = {mode: paired_walk_difference(walks[control][mode], walk[mode], num_resamples=args.resamples)
+             for mode in MODES}
+        diffs[arm] = d
+        cells = [f"{d[m]['difference']:+.4f} [{d[m]['ci95'][0]:+.4f}, {d[m]['ci95'][1]:+.4f}]" for m in MODES]
+        reading = verdict(d["tree"], d["chain"]) if arm in arms else "untrained reference"
+        rows.append(f"| {arm} | {chain:.4f} | {tree:.4f} | {cells[0]} | {cells[1]} | {reading} | {seconds} |")
+    num = len(walks[control]["tree"]["per_sequence"]["seq"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = (f"Held-out serving walk on {num} responses; differences from {control}, paired bootstrap over the responses "
+            f"({args.resamples} draws).\n\n" + header + "\n" + "\n".join(rows) + "\n")
+    (args.out / "ablation.md").write_text(text)
+    (args.out / "ablation.json").write_text(json.dumps(diffs, indent=1))
+    print(text)
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    names = list(diffs)
+    for ax, mode in zip(axes, MODES):
+        for y, arm in enumerate(names):
+            d = diffs[arm][mode]
+            lo, hi = d["ci95"]
+            ax.errorbar(d["difference"], y, xerr=[[d["difference"] - lo], [hi - d["difference"]]], fmt="o", capsize=4)
+        ax.axvline(0, color="grey", lw=1)
+        ax.set_title(f"walk {mode} τ − {control}")
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("difference (95 % paired bootstrap)")
+    fig.tight_layout()
+    fig.savefig(args.out / "ablation.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
