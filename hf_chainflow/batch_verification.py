@@ -2,7 +2,7 @@
 
 The cache is shared by `B` rows and laid out per row as
 
-    [ left padding | prompt | committed tokens | holes ]      columns 0 .. T-1, T = cache.get_seq_length()
+    [ left padding | prompt | committed tokens | holes ]      columns 0 .. T-1, T = committed_length(cache)
       0 .. start_b            start_b .. length_b        length_b .. T-1
 
 `RaggedRows` keeps `start_b` (first valid column) and `length_b` (one past the last committed column); the cache
@@ -33,7 +33,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .hybrid import TREE_KWARG, HybridTreeContext, commit_hybrid_states, is_hybrid_target, prepare_hybrid_target
+from .hybrid import (TREE_KWARG, HybridTreeContext, commit_hybrid_states, committed_length, is_hybrid_target,
+                     prepare_hybrid_target, sync_linear_lengths)
 from .settings import SUPPORTED_ATTN_IMPLEMENTATIONS
 from .tree import DraftTree
 from .verification import (_attn_implementation, _cache_kwarg, _check_cache, _validate_path, _validate_tree,
@@ -143,7 +144,7 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
     (`state_layers`: as for `verify_forward`)."""
     hybrid = is_hybrid_target(target)
     _check_cache(cache, hybrid)
-    T = cache.get_seq_length()
+    T = committed_length(cache)
     if T != rows.cache_length:
         raise ValueError(f"The cache holds {T} columns but the rows' longest committed length is "
                          f"{rows.cache_length}; `RaggedRows` must describe this very cache.")
@@ -176,8 +177,8 @@ def commit_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, accep
     for path, parents in zip(accepted, handle.node_parents):
         _validate_path(path, parents)
     T = handle.cache_length
-    if cache.get_seq_length() != T + handle.num_inputs:
-        raise ValueError(f"The cache holds {cache.get_seq_length()} columns but the verify forward left "
+    if committed_length(cache) != T + handle.num_inputs:
+        raise ValueError(f"The cache holds {committed_length(cache)} columns but the verify forward left "
                          f"{T + handle.num_inputs}; commit exactly once, right after `verify_forward_batch`.")
     keep = [[0] + [a + 1 for a in path] for path in accepted]  # flattened inputs kept, per row
     if handle.hybrid is not None:  # first: it validates its records before writing anything
@@ -197,6 +198,8 @@ def commit_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, accep
             kv = getattr(layer, name)  # (B, H_kv, T + n, D)
             kv[bi, :, di] = kv[bi, :, si]  # gathered first, then written (sources lie at or after their targets)
             setattr(layer, name, kv[..., :new_length, :])
+    if handle.hybrid is not None:
+        sync_linear_lengths(cache)
 
 
 def select_rows(cache: DynamicCache, rows: RaggedRows, keep: list[int]) -> None:
@@ -211,5 +214,6 @@ def select_rows(cache: DynamicCache, rows: RaggedRows, keep: list[int]) -> None:
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
             layer.keys = layer.keys[..., left:right, :]
             layer.values = layer.values[..., left:right, :]
+    sync_linear_lengths(cache)
     rows.starts = [s - left for s in rows.starts]
     rows.lengths = [n - left for n in rows.lengths]

@@ -101,6 +101,12 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
         self._round_start = time.perf_counter()
         return candidates, logits
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Tokens drafted per round (the chain length); transformers >= 5.25 reads it before its assisted loop (how
+        many recurrent states the cache records for a rollback: none on the dense targets this loop runs)."""
+        return self.settings.num_tokens
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         if self._pending_depth is None:
             return  # the prefill

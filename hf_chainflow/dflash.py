@@ -31,6 +31,8 @@ import os
 import torch
 from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
+from .settings import is_stateful_target
+
 # The fields of a fresh DFlash drafter that `dflash_config` (and `hf-chainflow train --drafter-type dflash`'s
 # `drafter:` mapping) take; everything else follows the target.
 DFLASH_DRAFTER_FIELDS = ("target_layer_ids", "mask_token_id", "block_size", "num_hidden_layers", "intermediate_size",
@@ -59,16 +61,18 @@ def spread_target_layers(num_layers: int, count: int) -> list[int]:
 
 def check_dflash_target(target: PreTrainedModel) -> None:
     """Raise a `ValueError` unless stock transformers can run a DFlash drafter for `target`: a causal LM with input
-    and output embeddings, not stateful (transformers refuses assisted generation, DFlash included, for stateful
-    models such as the hybrid Qwen3.5 stack, whose linear-attention state cannot be rolled back)."""
+    and output embeddings, not stateful (transformers up to 5.24 refuses assisted generation, DFlash included, for
+    stateful models such as the hybrid Qwen3.5 stack, whose linear-attention state it could not roll back; the
+    rollback 5.25 added is not validated here: `hf_chainflow.settings.is_stateful_target`)."""
     if not isinstance(target, PreTrainedModel):
         raise ValueError(f"`target` must be a transformers causal LM (a PreTrainedModel), got "
                          f"{type(target).__name__}.")
-    if getattr(target, "_is_stateful", False):
+    if is_stateful_target(target):
         raise ValueError(f"`target` is a stateful model ({type(target).__name__}, e.g. a hybrid stack with "
-                         f"linear-attention layers): stock transformers refuses assisted generation, "
-                         f"`speculation_type='dflash'` included, for stateful targets, so a DFlash drafter for it "
-                         f"could not run. Use a ChainFlow drafter (hf_chainflow's own loop verifies hybrid targets).")
+                         f"linear-attention layers): transformers up to 5.24 refuses assisted generation, "
+                         f"`speculation_type='dflash'` included, for such targets, and hf_chainflow has not validated "
+                         f"the recurrent-state rollback 5.25 added, so a DFlash drafter for it is not supported. Use a "
+                         f"ChainFlow drafter (hf_chainflow's own loop verifies hybrid targets).")
     if target.get_output_embeddings() is None or target.get_input_embeddings() is None:
         raise ValueError(f"`target` ({type(target).__name__}) has no LM head or no input embeddings; a DFlash drafter "
                          f"borrows both. Load the target with `AutoModelForCausalLM`.")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 try:  # fires accelerate's offload hooks of `conv1d`, whose weight we read directly (as the stock forward does)
     from transformers.integrations.accelerate import force_accelerate_hooks
@@ -54,8 +54,11 @@ __all__ = [
     "prepare_hybrid_target",
     "check_forkable_target",
     "is_hybrid_target",
+    "has_recurrent_state",
     "gdn_layers",
     "commit_hybrid_states",
+    "committed_length",
+    "sync_linear_lengths",
 ]
 
 TREE_KWARG = "chainflow_tree"
@@ -65,6 +68,9 @@ GDN_METHODS = ("chunk", "fork")
 
 # Config `layer_types` values that denote a recurrent / linear-attention layer in transformers' hybrid stacks.
 _RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding")
+# Those of them whose cache layer keeps a recurrent state (`conv` and the conv + attention `hybrid*` layers keep
+# only a conv window).
+_RECURRENT_STATE_LAYER_TYPES = ("linear_attention", "mamba")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -424,6 +430,20 @@ def is_hybrid_target(model: nn.Module) -> bool:
     return _IS_HYBRID[model]
 
 
+def has_recurrent_state(model: nn.Module) -> bool:
+    """True when `model` keeps recurrent state: a `linear_attention` / `mamba` entry in `config.layer_types`, or a
+    supported GDN module. What transformers <= 5.24 marked `_is_stateful` (see `hf_chainflow.settings.
+    is_stateful_target`, which asks this on 5.25 and later, where the attribute is gone)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or []
+    supported = _supported_gdn()
+    return any(t in _RECURRENT_STATE_LAYER_TYPES for t in layer_types) or any(
+        isinstance(m, supported) for m in model.modules()
+    )
+
+
 def gdn_layers(model: nn.Module) -> dict[int, nn.Module]:
     """`{layer_idx: GDN module}` of `model` (after `prepare_hybrid_target`, the tree-aware modules)."""
     if model in _PREPARED:
@@ -435,8 +455,9 @@ def gdn_layers(model: nn.Module) -> dict[int, nn.Module]:
 def check_forkable_target(model: nn.Module) -> None:
     """Raise `ValueError` unless every recurrent layer of `model` is a Gated DeltaNet layer that can be forked.
 
-    Pure (changes nothing): for the up-front checks of a `generate` call on a stateful target (transformers'
-    `_is_stateful`), so that Mamba, LFM2 conv layers and the like are refused before any forward runs."""
+    Pure (changes nothing): for the up-front checks of a `generate` call on a stateful target
+    (`hf_chainflow.settings.is_stateful_target`), so that Mamba, LFM2 conv layers and the like are refused before
+    any forward runs."""
     supported = _supported_gdn()
     forkable = {m.layer_idx for m in model.modules() if isinstance(m, supported)}
     other = sorted(set(_recurrent_layer_indices(model)) - forkable)
@@ -489,6 +510,41 @@ def _tree_class(cls: type) -> type:
 # --------------------------------------------------------------------------------------------------------------
 # Commit
 # --------------------------------------------------------------------------------------------------------------
+# transformers >= 5.25: linear-attention cache layers count the tokens they have seen (`cumulative_length_linear`,
+# advanced by `update_conv_state` / `increase_count`) and answer `get_seq_length()` with that count, so that
+# `DynamicCache.get_seq_length()` (which reads layer 0) reads a GDN layer of a Qwen3.5 stack. Up to 5.24 they kept no
+# count and `get_seq_length()` skipped them for the first attention layer.
+LINEAR_LAYERS_COUNT_TOKENS = "get_seq_length" in vars(LinearAttentionCacheLayerMixin)
+
+
+def committed_length(cache: Cache) -> int:
+    """Columns held by the attention layers of `cache` (what `DynamicCache.get_seq_length()` returned up to
+    transformers 5.24 on any cache): the length verification reasons about. From 5.25 `get_seq_length()` reads
+    layer 0 even when it is a linear-attention layer, whose token count a tree verify forward does not advance (it
+    never writes the GDN states; `sync_linear_lengths` sets it after a commit). 0 for a cache with no layers yet;
+    `ValueError` for a cache without attention layers."""
+    if not cache.layers:
+        return 0
+    for layer in cache.layers:
+        if isinstance(layer, CacheLayerMixin):
+            return int(layer.get_seq_length())
+    raise ValueError(f"The {type(cache).__name__} holds no attention layer (only "
+                     f"{sorted({type(layer).__name__ for layer in cache.layers})}); verification needs one.")
+
+
+def sync_linear_lengths(cache: Cache) -> None:
+    """transformers >= 5.25: set every linear-attention layer's token count to `committed_length(cache)`, in place
+    (its address stays static), so that `cache.get_seq_length()` and transformers' own forwards (default position
+    ids, `generate`'s input slicing) see the committed length after a commit or a column cut. No-op before 5.25
+    (the layers keep no count)."""
+    if not LINEAR_LAYERS_COUNT_TOKENS:
+        return
+    length = committed_length(cache)
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.cumulative_length_linear.fill_(length)
+
+
 def commit_hybrid_states(cache: Cache, ctx: HybridTreeContext, last: int | torch.LongTensor) -> None:
     """Make every GDN layer's cached conv window and recurrent state those after flattened input `last` (0 = the
     root, `i + 1` = tree node `i`; an int for every row, or one per row `(B,)`). Copies in place (`copy_`) when the

@@ -252,10 +252,21 @@ class SpeculativeSettings:
 
 # ----------------------------------------------------------------------------------------------------- the call
 def is_stateful_target(model) -> bool:
-    """transformers' `_is_stateful`: the target keeps recurrent (linear-attention / state-space) state that its cache
-    cannot crop, so transformers' assisted loop cannot run it (`hf_chainflow.hybrid.is_hybrid_target` asks whether
-    a model has recurrent layers at all)."""
-    return bool(getattr(model, "_is_stateful", False))
+    """The target keeps recurrent (linear-attention / state-space) state, so hf_chainflow's own loop runs it (it forks
+    and commits that state itself) rather than transformers' assisted loop (`hf_chainflow.hybrid.is_hybrid_target`
+    asks whether a model has recurrent layers at all, conv-only ones included).
+
+    transformers <= 5.24 marks these models `_is_stateful` (and refuses assisted generation for them); that mark is
+    read as is. 5.25 removed the attribute (its assisted loop now restores recurrent states from a recorded history,
+    which hf_chainflow neither uses nor has validated); there the model's layers decide
+    (`hf_chainflow.hybrid.has_recurrent_state`)."""
+    from transformers import PreTrainedModel
+
+    if hasattr(PreTrainedModel, "_is_stateful"):  # transformers <= 5.24
+        return bool(getattr(model, "_is_stateful", False))
+    from .hybrid import has_recurrent_state
+
+    return has_recurrent_state(model)
 
 
 def check_attention_mask(input_ids, attention_mask) -> None:

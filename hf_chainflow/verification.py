@@ -57,8 +57,10 @@ from .hybrid import (
     TREE_KWARG,
     HybridTreeContext,
     commit_hybrid_states,
+    committed_length,
     is_hybrid_target,
     prepare_hybrid_target,
+    sync_linear_lengths,
 )
 from .settings import SUPPORTED_ATTN_IMPLEMENTATIONS
 from .tree import DraftTree
@@ -291,7 +293,7 @@ def verify_forward(
     hybrid = is_hybrid_target(target)
     _check_cache(cache, hybrid)
     attn = _attn_implementation(target)
-    past_len = cache.get_seq_length()
+    past_len = committed_length(cache)
     device = target.get_input_embeddings().weight.device
     inputs = build_verify_inputs(root_token, tree, past_len, attn_implementation=attn, dtype=target.dtype,
                                  device=device)
@@ -534,7 +536,7 @@ def commit(
     _check_cache(cache, hybrid)
     accepted = [int(a) for a in (accepted.tolist() if isinstance(accepted, torch.Tensor) else accepted)]
     _validate_path(accepted, handle.node_parents)
-    seq_len = cache.get_seq_length()
+    seq_len = committed_length(cache)
     if seq_len != past_len + handle.num_inputs:
         raise ValueError(
             f"The cache holds {seq_len} tokens but the verify forward left past_len + n = "
@@ -558,3 +560,5 @@ def commit(
                 kv = getattr(layer, name)  # (B, H_kv, T, D)
                 kv[..., past_len:keep_len, :] = kv.index_select(-2, src)  # gathered first, then written
                 setattr(layer, name, kv[..., :keep_len, :])
+    if handle.hybrid is not None:
+        sync_linear_lengths(cache)

