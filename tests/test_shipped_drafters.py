@@ -85,3 +85,24 @@ def test_shipped_drafter_is_lossless_over_a_long_answer(target_and_inputs):
     assert torch.equal(out, plain)
     stats = drafter.last_stats
     assert stats.mode == "tree" and stats.lookup_only_rounds > 0 and stats.longest_lookup > 10
+
+
+@pytest.mark.slow
+def test_shipped_drafter_drafts_up_to_its_measured_batch_cutoff(target_and_inputs):
+    # The shipped generation config carries the decode-batch cutoff measured by `hf-chainflow bench --batch-sizes`
+    # (docs/results.md, "A batch of prompts"): a batch of up to 4 prompts drafts, a larger one decodes plainly, and
+    # both equal plain batched `generate`.
+    target, tok, _, _ = target_and_inputs
+    drafter = ChainFlowDrafter.from_pretrained(default_drafter_path(), target=target)
+    cutoff = drafter.generation_config.max_speculative_batch_size
+    assert cutoff == 4
+    prompts = [p["prompt"] for p in stratified_selection(load_prompts(), cutoff + 1)]
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    for size, drafts in ((cutoff, True), (cutoff + 1, False)):
+        batch = tok(texts[:size], padding=True, return_tensors="pt", add_special_tokens=False)
+        plain = target.generate(**batch, do_sample=False, max_new_tokens=8)
+        out = target.generate(**batch, assistant_model=drafter, do_sample=False, max_new_tokens=8)
+        assert torch.equal(out, plain)
+        assert drafter.last_stats.speculative is drafts and drafter.last_stats.batch_size == size
