@@ -60,11 +60,9 @@ class CompiledDraftingRound:
         fn = self._rounds.get(key)
         if fn is not None:
             return fn(*args)
-        # Guards on the inputs' tensors only (shapes, strides, dtypes): what else a round depends on (the settings,
-        # the drafter's structure) is in the key, and checking dynamo's guards on every module, parameter and
-        # config attribute cost about a tenth of a compiled round.
-        fn = torch.compile(drafting_round, dynamic=False,
-                           options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe})
+        # Dynamo's guards stay whole: its cache belongs to `drafting_round`'s code, shared by every key and drafter,
+        # so a guard filter (`torch.compiler.keep_tensor_guards_unsafe`) would let one key's graph run another's.
+        fn = torch.compile(drafting_round, dynamic=False)
         start = time.perf_counter()
         try:
             out = fn(*args)

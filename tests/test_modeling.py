@@ -135,7 +135,9 @@ def test_one_drafter_pass_per_round(target, context):
     ids, hidden = context
     drafter = make(target).bind_target(target)
     calls = {"velocity": 0, "path": 0}
-    h1 = drafter.velocity.register_forward_hook(lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
+    # the first expert's time embedding runs once per velocity evaluation (stacked or expert by expert)
+    h1 = drafter.velocity.experts[0].time_mlp.register_forward_hook(
+        lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
     h2 = drafter.path_head.mlp.register_forward_hook(lambda *a: calls.__setitem__("path", calls["path"] + 1))
     drafter.draft(hidden, ids, mode="tree", tree_width=8, tree_depth=4)
     h1.remove(), h2.remove()

@@ -13,8 +13,9 @@ not depend on the weights' values). `--compile` also times the drafting round wi
 drafter's tree with its budget cut, and a chain of `num_assistant_tokens`), eager and compiled
 (`compile=True`, warmed up outside timing), interleaved round by round, at each of `--round-threads`, on real target
 states: a few evaluation prompts (`hf_chainflow/data/eval_prompts.jsonl`, one per domain) answered greedily by the
-target, each position of the answers one window. `--profile` adds a per-op profile (`torch.profiler`, self CPU time
-per round) of the compiled tree round.
+target, each position of the answers one window. `--module-experts` also times every arm with the flow's experts run
+one by one (their module forward, as before `StackedExperts`), interleaved. `--profile` adds a per-op profile
+(`torch.profiler`, self CPU time per round) of the compiled tree round.
 """
 
 import argparse
@@ -56,6 +57,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=200, help="--served-round: timed rounds per arm")
     parser.add_argument("--prompts", type=int, default=4, help="--served-round: evaluation prompts answered")
     parser.add_argument("--profile", action="store_true", help="--served-round: per-op profile of the compiled round")
+    parser.add_argument("--module-experts", action="store_true",
+                        help="--served-round: also time the rounds with the experts' module forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.served_round:
@@ -173,33 +176,43 @@ def served_round(args):
     arms = {f"tree {g.tree_width}x{g.tree_depth} cut to {g.tree_budget}": base.replace(mode="tree"),
             f"chain {g.num_assistant_tokens}": base.replace(mode="chain")}
     kwargs = {name: s.draft_kwargs(10 ** 6) for name, s in arms.items()}
+    experts = {"stacked": drafter.serving_velocity}
+    if args.module_experts:  # an instance attribute shadowing the method: `serving_tables` then hands the module
+        experts["module"] = lambda: drafter.velocity
+
+    def draft(states, ids, kw, compiled, forward):
+        drafter.serving_velocity = experts[forward]
+        drafter.draft(states, ids, **kw, compile=compiled)
+
     with torch.inference_mode():
         start = time.perf_counter()
-        for name, kw in kwargs.items():  # compile the full-depth key of each arm, outside timing
-            drafter.draft(*windows[0], **kw, compile=True)
+        for kw in kwargs.values():  # compile the full-depth key of each arm, outside timing
+            for forward in experts:
+                draft(*windows[0], kw, True, forward)
         compile_s = time.perf_counter() - start
         times = {}
         for threads in args.round_threads:
             torch.set_num_threads(threads)
-            for i in range(10):  # warm the caches at this thread count
-                for kw in kwargs.values():
-                    drafter.draft(*windows[i % len(windows)], **kw, compile=False)
-                    drafter.draft(*windows[i % len(windows)], **kw, compile=True)
-            for i in range(args.rounds):
+            for i in range(args.rounds + 10):  # the first 10 warm the caches at this thread count
                 states, ids = windows[i % len(windows)]
                 for name, kw in kwargs.items():
-                    for compiled in (False, True):
-                        begin = time.perf_counter()
-                        drafter.draft(states, ids, **kw, compile=compiled)
-                        times.setdefault((name, compiled, threads), []).append(time.perf_counter() - begin)
+                    for forward in experts:
+                        for compiled in (False, True):
+                            begin = time.perf_counter()
+                            draft(states, ids, kw, compiled, forward)
+                            if i >= 10:
+                                times.setdefault((name, forward, compiled, threads), []).append(
+                                    time.perf_counter() - begin)
+    drafter.serving_velocity = experts["stacked"]
     load = os.getloadavg()
     print(f"served drafting round, {len(windows)} windows of real target states ({args.dtype}), "
           f"{args.rounds} rounds per arm, interleaved; compile {compile_s:.1f} s; load {load[0]:.2f} {load[1]:.2f}")
-    print(f"{'round':28s} {'threads':>7s} {'eager ms':>9s} {'compiled ms':>12s}")
+    print(f"{'round':28s} {'experts':>8s} {'threads':>7s} {'eager ms':>9s} {'compiled ms':>12s}")
     for name in kwargs:
         for threads in args.round_threads:
-            eager, compiled = (1e3 * statistics.median(times[(name, c, threads)]) for c in (False, True))
-            print(f"{name:28s} {threads:7d} {eager:9.2f} {compiled:12.2f}")
+            for forward in experts:
+                eager, compiled = (1e3 * statistics.median(times[(name, forward, c, threads)]) for c in (False, True))
+                print(f"{name:28s} {forward:>8s} {threads:7d} {eager:9.2f} {compiled:12.2f}")
     if args.profile:
         profile_round(drafter, windows, next(iter(kwargs.values())), args.round_threads[-1], args.rounds)
 
