@@ -27,8 +27,8 @@ def drafting_round(drafter, tables: ServingTables, hidden_states: torch.Tensor, 
                    settings: SearchSettings, num_flow_steps: int | None) -> tuple:
     """`hidden_states` `(B, T, D)` (`(B, T, (1 + n) D)` with `target_layer_ids`), `tails` `(B, p)` (the last `p` committed tokens, the root last) -> `(tokens,
     parents, depths, logprobs, draft_probs)`, each `(B, N)` (`draft_probs` `(B, N, V)` or `None`)."""
-    states = drafter.predict_states(hidden_states, num_flow_steps=num_flow_steps,
-                                    bonus_tokens=tails[:, -1])  # (B, K, D); the bonus token read with `bonus_embedding`
+    states = drafter.predict_states(hidden_states, num_flow_steps=num_flow_steps, bonus_tokens=tails[:, -1],
+                                    velocity=tables.velocity)  # (B, K, D); the bonus token read with `bonus_embedding`
     return search_levels(drafter, tables, states, tails, settings)
 
 
@@ -56,10 +56,12 @@ class CompiledDraftingRound:
         if self.eager_reason is not None:
             return drafting_round(*args)
         key = (settings, num_flow_steps, tuple(hidden_states.shape), hidden_states.dtype, tuple(tails.shape),
-               drafter.dtype, tables.head.dtype)
+               drafter.dtype, tables.head.dtype, type(tables.velocity), tables.folded is None)
         fn = self._rounds.get(key)
         if fn is not None:
             return fn(*args)
+        # Dynamo's guards stay whole: its cache belongs to `drafting_round`'s code, shared by every key and drafter,
+        # so a guard filter (`torch.compiler.keep_tensor_guards_unsafe`) would let one key's graph run another's.
         fn = torch.compile(drafting_round, dynamic=False)
         start = time.perf_counter()
         try:

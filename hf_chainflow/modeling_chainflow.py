@@ -198,6 +198,98 @@ class ChainFlowVelocityNet(nn.Module):
         return torch.cat([expert(c, s, context, key_mask, bonus) for expert, c in zip(self.experts, chunks)], 1)
 
 
+class StackedExperts:
+    """A `ChainFlowVelocityNet` for serving: every weight stacked over the `E` experts (a derived copy, built by
+    `ChainFlowDrafter.serving_velocity`, never saved), so each layer of all experts is one batched product
+    (`torch.baddbmm`, linear weights pre-transposed `(E, in, out)`) and each attention one call over `E * B` rows:
+    half the kernel launches of the expert-by-expert forward. The time and bonus embeddings (one row per window)
+    stay with each expert's own modules: a one-row batched product rounds apart from the module's. Called like the
+    module, it computes the same velocity, bit for bit on CPU (`tests/test_modeling.py`).
+    """
+
+    # the module types of a plain expert: anything else (a LoRA wrapper, for example) keeps the module forward
+    PLAIN = (ChainFlowExpert, ChainFlowBlock, ChainFlowAttention, nn.Linear, nn.LayerNorm, nn.Sequential,
+             nn.ModuleList, nn.GELU, nn.SiLU)
+
+    def __init__(self, weights: dict[str, torch.Tensor], experts: list[ChainFlowExpert]):
+        self.weights, self.experts = weights, experts
+        first = experts[0]
+        self.num_heads, self.is_causal, self.eps = first.blocks[0].self_attn.num_heads, first.is_causal, first.norm.eps
+
+    @classmethod
+    @torch.no_grad()
+    def from_velocity(cls, net: ChainFlowVelocityNet) -> "StackedExperts | None":
+        """The stacked weights of `net`'s experts; `None` when an expert holds another module type than `PLAIN`."""
+        experts = list(net.experts)
+        if any(type(m) not in cls.PLAIN for e in experts for m in e.modules()):
+            return None
+        first = experts[0]
+        linear = {name for name, m in first.named_modules() if type(m) is nn.Linear}
+        weights = {}
+        for name, _ in first.named_parameters():
+            module, _, kind = name.rpartition(".")
+            if module.startswith(("time_mlp.", "bonus_proj.")):
+                continue  # one row per window: run by each expert's modules
+            parts = [e.get_parameter(name).detach() for e in experts]
+            if module in linear and kind == "weight":
+                weights[name] = torch.stack([w.t() for w in parts]).contiguous()  # (E, in, out)
+            elif module in linear:
+                weights[name] = torch.stack(parts)[:, None].contiguous()  # (E, 1, out)
+            else:
+                weights[name] = torch.stack(parts).contiguous()  # (E, H) norms, (E, P, H) pos_emb
+        return cls(weights, experts)
+
+    def _linear(self, name, x):
+        """`x` `(E, n, in)` through every expert's linear `name` -> `(E, n, out)`."""
+        bias = self.weights.get(f"{name}.bias")
+        weight = self.weights[f"{name}.weight"]
+        return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias, x, weight)
+
+    def _norm(self, name, x):
+        """Each expert's LayerNorm `name` on its rows of `x` `(E, n, H)` (`F.layer_norm` per expert, as the module)."""
+        w, b = self.weights[f"{name}.weight"], self.weights[f"{name}.bias"]
+        return torch.stack([F.layer_norm(x[e], x.shape[-1:], w[e], b[e], self.eps) for e in range(x.shape[0])])
+
+    def _attention(self, name, x, kv_in, B, mask=None, is_causal=False):
+        """`x` `(E, B*T, H)` attends to `kv_in` `(E, B*S, H)` (mask `(E*B, 1, 1, S)`) -> `(E, B*T, H)`."""
+        E, H, nh = x.shape[0], x.shape[-1], self.num_heads
+        q = self._linear(f"{name}.q_proj", x).view(E * B, -1, nh, H // nh).transpose(1, 2)  # (E*B, nh, T, hd)
+        k, v = self._linear(f"{name}.kv_proj", kv_in).view(E * B, -1, 2, nh, H // nh).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (E*B, nh, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+        return self._linear(f"{name}.o_proj", y.transpose(1, 2).reshape(E, -1, H))  # (E, B*T, H)
+
+    def __call__(self, z, s, context, context_mask=None, bonus=None):
+        """As `ChainFlowVelocityNet.forward`: `z` `(B, K, Z)`, `s` `(B,)`, `context` `(B, C, Z)`, `context_mask`
+        `(B, C)`, `bonus` `(B, D)` -> velocity `(B, K, Z)`."""
+        w = self.weights
+        E, P, H = w["pos_emb"].shape
+        B, K, Z = z.shape
+        C = context.shape[1]
+        zs = z.reshape(B, E, P, Z).transpose(0, 1).reshape(E, B * P, Z)  # (E, B*P, Z): expert e's P positions
+        t = _time_features(s, H).to(z.dtype)  # (B, H)
+        x = self._linear("in_proj", zs).view(E, B, P, H) + w["pos_emb"][:, None]  # (E, B, P, H)
+        x = x + torch.stack([e.time_mlp(t) for e in self.experts])[:, :, None]  # (E, B, 1, H)
+        if self.experts[0].bonus_proj is not None:
+            x = x + torch.stack([e.bonus_proj(bonus) for e in self.experts])[:, :, None]  # (E, B, 1, H)
+        x = x.reshape(E, B * P, H)
+        ctx = self._linear("ctx_proj", context.reshape(1, B * C, Z).expand(E, B * C, Z))  # (E, B*C, H)
+        key_mask = _key_mask(context_mask)  # (B, 1, 1, C) | None
+        if key_mask is not None:
+            key_mask = key_mask.repeat(E, 1, 1, 1)  # (E*B, 1, 1, C), row e*B + b
+        for i in range(len(self.experts[0].blocks)):
+            block = f"blocks.{i}"
+            h = self._norm(f"{block}.norm1", x)
+            x = x + self._attention(f"{block}.self_attn", h, h, B, is_causal=self.is_causal)
+            x = x + self._attention(f"{block}.cross_attn", self._norm(f"{block}.norm2", x), ctx, B, key_mask)
+            x = x + self._linear(f"{block}.mlp.2", F.gelu(self._linear(f"{block}.mlp.0",
+                                                                       self._norm(f"{block}.norm3", x))))
+        v = self._linear("out_proj", self._norm("norm", x))  # (E, B*P, Z)
+        if "skip.weight" in w:
+            v = v + self._linear("skip", zs)
+        return v.view(E, B, P, Z).transpose(0, 1).reshape(B, K, Z)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Fused target layers
 # ----------------------------------------------------------------------------------------------------------------
@@ -417,6 +509,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         """
         self._serving_head_cache = None
         self._serving_feedback_cache = None
+        self._serving_velocity_cache = None
         return super().train(mode)
 
     @property
@@ -664,6 +757,22 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             self._serving_feedback_cache = (key, (fused, bias))
         return self._serving_feedback_cache[1]
 
+    def serving_velocity(self):
+        """The velocity network as served: its experts stacked (`StackedExperts`, one batched product per layer),
+        built from the current weights and cached until one of them changes (its `data_ptr` or `Tensor._version`)
+        or the mode changes (`train()` / `eval()`, which also follows a LoRA adapter's injection or merge); the
+        module itself in training mode or when an expert holds another module type (a LoRA adapter)."""
+        if self.training:
+            return self.velocity
+        cache = getattr(self, "_serving_velocity_cache", None)
+        if cache is not None and [(p.data_ptr(), p._version) for p in cache[0]] == cache[1]:
+            return cache[2]
+        params = list(self.velocity.parameters())
+        stacked = StackedExperts.from_velocity(self.velocity)
+        self._serving_velocity_cache = (params, [(p.data_ptr(), p._version) for p in params],
+                                        self.velocity if stacked is None else stacked)
+        return self._serving_velocity_cache[2]
+
     def serving_tables(self) -> ServingTables:
         """The tensors one search reads besides the layers (`hf_chainflow.search.ServingTables`), from the caches
         above; gathered once per round, outside the (compiled) drafting round."""
@@ -674,7 +783,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         else:
             to_draft, to_token = self._draft_index_lut(embed.device), self.shortlist_ids.to(embed.device)
         return ServingTables(head=self.serving_head_weight(), folded=self.serving_feedback_weight(), embed=embed,
-                             to_draft=to_draft, to_token=to_token, dtype=self.dtype)
+                             to_draft=to_draft, to_token=to_token, dtype=self.dtype,
+                             velocity=self.serving_velocity())
 
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""
@@ -794,14 +904,16 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         return gen
 
     def integrate(self, z0, context, context_mask=None, num_steps: int = 1, return_trajectory: bool = False,
-                  bonus=None):
+                  bonus=None, velocity=None):
         """`num_steps` Euler steps `z <- z + v(z, s, c)/N` from `z0` `(B, K, Z)` (`bonus` `(B, D)`: the bonus
-        token's embedding, with `bonus_embedding`)."""
+        token's embedding, with `bonus_embedding`; `velocity`: `v`, default the module `self.velocity`, or its
+        serving form `serving_velocity()`)."""
+        velocity = self.velocity if velocity is None else velocity
         z = z0
         trajectory = []
         for n in range(num_steps):
             s = torch.full((z.shape[0],), n / num_steps, device=z.device, dtype=z.dtype)
-            z = z + self.velocity(z, s, context, context_mask, bonus) / num_steps
+            z = z + velocity(z, s, context, context_mask, bonus) / num_steps
             trajectory.append(z)
         return torch.stack(trajectory, 1) if return_trajectory else z  # (B, N, K, Z) or (B, K, Z)
 
@@ -836,15 +948,17 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
 
     @torch.no_grad()
     def predict_states(self, hidden_states, context_mask=None, num_flow_steps: int | None = None,
-                       bonus_tokens: torch.LongTensor | None = None):
+                       bonus_tokens: torch.LongTensor | None = None, velocity=None):
         """Serving transport: target states `(B, T, (1 + n) D)` (last `C` used; `n = len(target_layer_ids)`) ->
         predicted states `(B, K, D)`. `bonus_tokens` `(B,)`: each row's last committed token (read with
-        `bonus_embedding`)."""
+        `bonus_embedding`). `velocity`: the velocity network to integrate with (default `serving_velocity()`; the
+        compiled round passes the one its `ServingTables` hold)."""
         check_num_flow_steps(num_flow_steps)
         steps = self.config.num_flow_steps if num_flow_steps is None else num_flow_steps
+        velocity = self.serving_velocity() if velocity is None else velocity
         latents, condition, mask = self._context(hidden_states, context_mask)
         z0 = self.source(latents, mask)
-        z1 = self.integrate(z0, condition, mask, steps, bonus=self._bonus(bonus_tokens))
+        z1 = self.integrate(z0, condition, mask, steps, bonus=self._bonus(bonus_tokens), velocity=velocity)
         return self.decode(z1)
 
     # ------------------------------------------------------------------ token feedback
@@ -1054,9 +1168,10 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                              f"{tuple(context_mask.shape)}.")
         p, pad = self.config.path_order, self.config.pad_token_id or 0
         tails = torch.cat([committed_tails(ids[None], p, pad) for ids in committed])  # (B, p)
+        tables = self.serving_tables()
         states = self.predict_states(hidden_states, context_mask=context_mask, num_flow_steps=num_flow_steps,
-                                     bonus_tokens=tails[:, -1])
-        batch = DraftBatch(*search_levels(self, self.serving_tables(), states, tails, settings))
+                                     bonus_tokens=tails[:, -1], velocity=tables.velocity)
+        batch = DraftBatch(*search_levels(self, tables, states, tails, settings))
         return [batch.tree(i) for i in range(B)]
 
     def _layers_hint(self) -> str:

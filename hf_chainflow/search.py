@@ -60,7 +60,8 @@ class ServingTables(NamedTuple):
 
     head (`(S, D)`): `serving_head_weight()`. folded: `serving_feedback_weight()` (`None`: term by term).
     embed (`(V, D)`): the target's input embeddings. to_draft (`(V,)`): vocabulary id -> draft index (`None`: no
-    shortlist). to_token (`(S,)`): draft index -> vocabulary id (`None`: no shortlist).
+    shortlist). to_token (`(S,)`): draft index -> vocabulary id (`None`: no shortlist). velocity: the velocity network
+    the round's transport integrates with (`serving_velocity()`; `None`: the drafter's default).
     """
 
     head: torch.Tensor
@@ -69,6 +70,7 @@ class ServingTables(NamedTuple):
     to_draft: torch.Tensor | None
     to_token: torch.Tensor | None
     dtype: torch.dtype
+    velocity: object = None
 
     def embed_tokens(self, tokens):
         """Frozen target embeddings of `tokens` `(...)` -> `(..., D)` in the drafter's dtype."""

@@ -135,7 +135,9 @@ def test_one_drafter_pass_per_round(target, context):
     ids, hidden = context
     drafter = make(target).bind_target(target)
     calls = {"velocity": 0, "path": 0}
-    h1 = drafter.velocity.register_forward_hook(lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
+    # the first expert's time embedding runs once per velocity evaluation (stacked or expert by expert)
+    h1 = drafter.velocity.experts[0].time_mlp.register_forward_hook(
+        lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
     h2 = drafter.path_head.mlp.register_forward_hook(lambda *a: calls.__setitem__("path", calls["path"] + 1))
     drafter.draft(hidden, ids, mode="tree", tree_width=8, tree_depth=4)
     h1.remove(), h2.remove()
@@ -214,6 +216,49 @@ def test_eval_refolds_feedback_after_fused_optimizer_steps(target, context):
     W = drafter.draft_head_weight()
     torch.testing.assert_close(fused, torch.cat([W @ params[0], params[2]], 1).detach())
     torch.testing.assert_close(bias, (W @ params[1]).detach())
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(bonus_embedding=True, attention="bidirectional", num_blocks=2),
+                                       dict(latent_size=48, flow_hidden_size=32)], ids=["default", "bonus", "skip"])
+def test_stacked_experts_compute_the_module_velocity(target, overrides):
+    """Serving runs the experts stacked (`serving_velocity`): the same velocity as the module, bit for bit, with and
+    without a context mask; rebuilt after an in-place update; the module itself in training mode or under LoRA."""
+    from hf_chainflow.modeling_chainflow import StackedExperts
+
+    drafter = make(target, **overrides).bind_target(target)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in drafter.velocity.parameters():  # zero-initialised projections (bonus, skip) too
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    stacked = drafter.serving_velocity()
+    assert isinstance(stacked, StackedExperts)
+    cfg = drafter.config
+    B, K, Z, C = 3, cfg.num_draft_positions, cfg.latent_size, cfg.context_size
+    z, context = torch.randn(B, K, Z, generator=gen), torch.randn(B, C, Z, generator=gen)
+    s, bonus = torch.rand(B, generator=gen), torch.randn(B, cfg.target_hidden_size, generator=gen)
+    mask = torch.ones(B, C, dtype=torch.bool)
+    mask[1, :3] = False
+    with torch.no_grad():
+        for m in (None, mask):
+            assert torch.equal(stacked(z, s, context, m, bonus), drafter.velocity(z, s, context, m, bonus))
+        drafter.velocity.experts[1].blocks[0].mlp[2].weight.mul_(2.0)
+        assert drafter.serving_velocity() is not stacked
+        assert torch.equal(drafter.serving_velocity()(z, s, context, mask, bonus),
+                           drafter.velocity(z, s, context, mask, bonus))
+    drafter.train()
+    assert drafter.serving_velocity() is drafter.velocity
+    drafter.eval()
+    class Wrapper(torch.nn.Module):  # another module type around a linear, as a LoRA adapter's
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    drafter.velocity.experts[0].in_proj = Wrapper(drafter.velocity.experts[0].in_proj)
+    drafter.eval()
+    assert drafter.serving_velocity() is drafter.velocity
 
 
 def test_tree_budget_keeps_the_most_probable_nodes(target, context):

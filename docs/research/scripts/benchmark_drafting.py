@@ -2,13 +2,24 @@
 VAE / flow / head / search, next to the target's own one-token step and multi-token verification times.
 
     python docs/research/scripts/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300] [--compile]
+    python docs/research/scripts/benchmark_drafting.py --served-round [--drafter PATH] [--round-threads 1 2]
+        [--rounds 200] [--profile]
 
 Without `--drafter`, a randomly initialised drafter with the default config for the target is timed (latency does
 not depend on the weights' values). `--compile` also times the drafting round with the transport
 (`ChainFlowDrafter.predict_states`: VAE encode, flow, VAE decode) wrapped in `torch.compile`, and the compile time.
+
+`--served-round` times one served drafting round instead (`drafter.draft`, as the speculative loop calls it: the
+drafter's tree with its budget cut, and a chain of `num_assistant_tokens`), eager and compiled
+(`compile=True`, warmed up outside timing), interleaved round by round, at each of `--round-threads`, on real target
+states: a few evaluation prompts (`hf_chainflow/data/eval_prompts.jsonl`, one per domain) answered greedily by the
+target, each position of the answers one window. `--module-experts` also times every arm with the flow's experts run
+one by one (their module forward, as before `StackedExperts`), interleaved. `--profile` adds a per-op profile
+(`torch.profiler`, self CPU time per round) of the compiled tree round.
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,8 +51,18 @@ def main():
                         help="prepared data dir whose shortlist the random drafter uses (default: none)")
     parser.add_argument("--compile", action="store_true",
                         help="also time drafting with predict_states under torch.compile (an experiment, not served)")
+    parser.add_argument("--served-round", action="store_true",
+                        help="time one served drafting round (eager and compiled) on real target states instead")
+    parser.add_argument("--round-threads", type=int, nargs="+", default=[1, 2], help="--served-round: thread counts")
+    parser.add_argument("--rounds", type=int, default=200, help="--served-round: timed rounds per arm")
+    parser.add_argument("--prompts", type=int, default=4, help="--served-round: evaluation prompts answered")
+    parser.add_argument("--profile", action="store_true", help="--served-round: per-op profile of the compiled round")
+    parser.add_argument("--module-experts", action="store_true",
+                        help="--served-round: also time the rounds with the experts' module forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.served_round:
+        return served_round(args)
 
     target, _ = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
     if args.drafter:
@@ -116,6 +137,101 @@ def main():
     print(f"{'component':48s} {'median ms':>10s}")
     for name, ms in rows.items():
         print(f"{name:48s} {ms:10.2f}")
+
+
+def answered_windows(target, tokenizer, num_prompts: int, context: int, new_tokens: int = 64):
+    """Windows of real target states: `num_prompts` evaluation prompts (one per domain first) answered greedily by
+    the target, then run once through it; every answer position with `context` states before it is one window
+    `(states (1, C, D), committed ids (1, L))`."""
+    from hf_chainflow.bench.prompts import load_prompts, stratified_selection
+
+    windows = []
+    with torch.inference_mode():
+        for row in stratified_selection(load_prompts(), num_prompts):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"][:, -512:]  # (1, P)
+            gen = target.generation_config
+            ids = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=gen.pad_token_id or gen.eos_token_id)  # (1, L)
+            h = target(input_ids=ids, output_hidden_states=True).hidden_states[-1]  # (1, L, D)
+            start = ids.shape[1] - new_tokens
+            for t in range(max(start, context - 1), ids.shape[1] - 1):
+                windows.append((h[:, t - context + 1: t + 1].clone(), ids[:, : t + 2]))
+    return windows
+
+
+def served_round(args):
+    """`--served-round`: per-round medians of `drafter.draft`, eager and compiled, tree and chain, interleaved."""
+    from hf_chainflow.checkpoints import default_drafter_path
+    from hf_chainflow.settings import SpeculativeSettings
+
+    target, tokenizer = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
+    drafter = ChainFlowDrafter.from_pretrained(args.drafter or default_drafter_path(), target=target).eval()
+    g = drafter.generation_config
+    g.compile_drafting = True
+    windows = answered_windows(target, tokenizer, args.prompts, drafter.context_size)
+    base = SpeculativeSettings.from_drafter(drafter).replace(lookup_num_tokens=None, lookup_trust_ngram=None,
+                                                             lookup_max_tokens=None)
+    arms = {f"tree {g.tree_width}x{g.tree_depth} cut to {g.tree_budget}": base.replace(mode="tree"),
+            f"chain {g.num_assistant_tokens}": base.replace(mode="chain")}
+    kwargs = {name: s.draft_kwargs(10 ** 6) for name, s in arms.items()}
+    experts = {"stacked": drafter.serving_velocity}
+    if args.module_experts:  # an instance attribute shadowing the method: `serving_tables` then hands the module
+        experts["module"] = lambda: drafter.velocity
+
+    def draft(states, ids, kw, compiled, forward):
+        drafter.serving_velocity = experts[forward]
+        drafter.draft(states, ids, **kw, compile=compiled)
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for kw in kwargs.values():  # compile the full-depth key of each arm, outside timing
+            for forward in experts:
+                draft(*windows[0], kw, True, forward)
+        compile_s = time.perf_counter() - start
+        times = {}
+        for threads in args.round_threads:
+            torch.set_num_threads(threads)
+            for i in range(args.rounds + 10):  # the first 10 warm the caches at this thread count
+                states, ids = windows[i % len(windows)]
+                for name, kw in kwargs.items():
+                    for forward in experts:
+                        for compiled in (False, True):
+                            begin = time.perf_counter()
+                            draft(states, ids, kw, compiled, forward)
+                            if i >= 10:
+                                times.setdefault((name, forward, compiled, threads), []).append(
+                                    time.perf_counter() - begin)
+    drafter.serving_velocity = experts["stacked"]
+    load = os.getloadavg()
+    print(f"served drafting round, {len(windows)} windows of real target states ({args.dtype}), "
+          f"{args.rounds} rounds per arm, interleaved; compile {compile_s:.1f} s; load {load[0]:.2f} {load[1]:.2f}")
+    print(f"{'round':28s} {'experts':>8s} {'threads':>7s} {'eager ms':>9s} {'compiled ms':>12s}")
+    for name in kwargs:
+        for threads in args.round_threads:
+            for forward in experts:
+                eager, compiled = (1e3 * statistics.median(times[(name, forward, c, threads)]) for c in (False, True))
+                print(f"{name:28s} {forward:>8s} {threads:7d} {eager:9.2f} {compiled:12.2f}")
+    if args.profile:
+        profile_round(drafter, windows, next(iter(kwargs.values())), args.round_threads[-1], args.rounds)
+
+
+def profile_round(drafter, windows, kwargs, threads, rounds):
+    """Self CPU time per round of each op in `rounds` compiled rounds (`torch.profiler`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(threads)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(rounds):
+            drafter.draft(*windows[i % len(windows)], **kwargs, compile=True)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows)
+    print(f"profile of the compiled round ({kwargs['mode']}, {threads} thread(s)), self CPU per round: "
+          f"{total / 1e3 / rounds:.2f} ms in all")
+    print(f"{'op':60s} {'calls/round':>11s} {'ms/round':>9s}")
+    for e in rows[:25]:
+        print(f"{e.key[:60]:60s} {e.count / rounds:11.1f} {e.self_cpu_time_total / 1e3 / rounds:9.3f}")
 
 
 if __name__ == "__main__":
