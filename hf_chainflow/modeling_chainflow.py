@@ -764,14 +764,12 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         module itself in training mode or when an expert holds another module type (a LoRA adapter)."""
         if self.training:
             return self.velocity
+        key = tuple((p.data_ptr(), p._version) for p in self.velocity.parameters())
         cache = getattr(self, "_serving_velocity_cache", None)
-        if cache is not None and [(p.data_ptr(), p._version) for p in cache[0]] == cache[1]:
-            return cache[2]
-        params = list(self.velocity.parameters())
-        stacked = StackedExperts.from_velocity(self.velocity)
-        self._serving_velocity_cache = (params, [(p.data_ptr(), p._version) for p in params],
-                                        self.velocity if stacked is None else stacked)
-        return self._serving_velocity_cache[2]
+        if cache is None or cache[0] != key:
+            stacked = StackedExperts.from_velocity(self.velocity)
+            self._serving_velocity_cache = (key, self.velocity if stacked is None else stacked)
+        return self._serving_velocity_cache[1]
 
     def serving_tables(self) -> ServingTables:
         """The tensors one search reads besides the layers (`hf_chainflow.search.ServingTables`), from the caches

@@ -97,11 +97,10 @@ def test_shipped_drafter_drafts_up_to_its_measured_batch_cutoff(target_and_input
     cutoff = drafter.generation_config.max_speculative_batch_size
     assert cutoff == 4
     prompts = [p["prompt"] for p in stratified_selection(load_prompts(), cutoff + 1)]
-    tok.padding_side = "left"
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in prompts]
     for size, drafts in ((cutoff, True), (cutoff + 1, False)):
-        batch = tok(texts[:size], padding=True, return_tensors="pt", add_special_tokens=False)
+        batch = tok(texts[:size], padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
         plain = target.generate(**batch, do_sample=False, max_new_tokens=8)
         out = target.generate(**batch, assistant_model=drafter, do_sample=False, max_new_tokens=8)
         assert torch.equal(out, plain)
