@@ -2,7 +2,8 @@
 # Reproduces the drafters shipped in hf_chainflow/checkpoints/ and their offline evaluation (docs/results.md; every
 # stage with its figures: docs/research/training-rounds.md; the recipes: docs/research/recipes/):
 # the hidden states of SmolLM2-135M-Instruct's own greedy responses (26 shards of 128 responses), ChainFlow and the
-# FlashMap-style comparison trained with the same recipe on the same data (fourteen stages), offline tau on the held-out
+# FlashMap-style comparison trained with the same recipe on the same data (fourteen stages; a fifteenth,
+# round 14, for ChainFlow alone on a GPU), offline tau on the held-out
 # shards 21-25. The third, fourth, fifth, seventh, eighth and ninth stages each first generate the target's responses
 # to 1,536 more training prompts, the sixth to 768, rounds 10-12 to 1,423, 1,344 and 1,344 (the two round-13 stages
 # add none) (about 50 minutes for 1,536 on a 2-core CPU with AVX-512 BF16, 2.4 hours on an
@@ -148,6 +149,15 @@ for name in chainflow flashmap; do
     hf-chainflow train "${round13[@]}" --init-from "$OUT/$name-round12" --seed 0 --out "$OUT/$name-round13a"
     hf-chainflow train "${round13[@]}" --init-from "$OUT/$name-round13a" --seed 1 --out "$OUT/$name"
 done
+# Round 14, ChainFlow only (run on one GPU): one stage over the whole train split of the response corpus (30,929
+# responses), batch 512, lr 2e-4 over a 900-step schedule; the shipped file is its step-500 checkpoint (the device
+# call's time limit stopped it there; docs/research/training-rounds.md, "A fourteenth stage").
+hf-chainflow prepare --corpus corpus/smollm2-135m-instruct --split train --out "$OUT/full"
+hf-chainflow train --data "$OUT/full" --init-from "$OUT/chainflow" --out "$OUT/chainflow-round14" --max-steps 900 \
+    --batch-size 512 --lr 2e-4 --seed 0 --save-steps 100 --save-total-limit 5 --train-flow-steps 1 \
+    --training-arg lr_scheduler_type=linear --training-arg warmup_steps=100 --training-arg loss_kd_weight=1.0
+mv "$OUT/chainflow" "$OUT/chainflow-round13"
+cp -r "$OUT/chainflow-round14/checkpoint-500" "$OUT/chainflow"
 for name in chainflow flashmap; do
     hf-chainflow eval-offline --drafter "$OUT/$name" --data "$OUT/data" --shards 21-25 --out "$OUT/eval-$name" \
         --max-windows 4000 --tree 8x4 --tree-budget 12 --max-tree-windows 600 --threads 1

@@ -121,8 +121,9 @@ REFERENCE = Path(__file__).resolve().parent / "fixtures" / "shipped_drafts.json"
 @pytest.mark.slow
 def test_the_shipped_drafter_drafts_what_it_drafted_before_the_new_fields():
     """Chains and trees of the shipped drafter on the real SmolLM2 target at two fixed contexts equal those recorded
-    before `bonus_embedding` and `target_layer_ids` existed (tests/fixtures/shipped_drafts.json, written on this
-    project's AVX-512 BF16 CPUs, float32 drafter, bfloat16 serving head)."""
+    (tests/fixtures/shipped_drafts.json, written on this project's AVX-512 BF16 CPUs, float32 drafter, bfloat16
+    serving head): first before `bonus_embedding` and `target_layer_ids` existed, re-recorded for each shipped
+    weight file after the previous one still reproduced its record (tests/fixtures/README.md)."""
     from hf_chainflow.targets import load_target
 
     reference = json.loads(REFERENCE.read_text())

@@ -7,6 +7,9 @@ with their intervals) to `--out`:
 
     python docs/research/scripts/levers_table.py --runs runs/levers --arms R,B,L,BL,P --reference S \
         --out docs/research/results/levers
+
+`--subset 316` compares on the seeded half of the responses (`--walk-sequences 316`): arms walked on all 632 are cut
+down to those, arms walked only on them are read from `walk316-ARM/`.
 """
 
 from __future__ import annotations
@@ -20,16 +23,26 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from hf_chainflow.evaluation import paired_walk_difference, walk_tau  # noqa: E402
+from hf_chainflow.evaluation import paired_walk_difference, walk_subset, walk_tau  # noqa: E402
 
 MODES = ("chain", "tree")
 
 
-def load_walk(runs: Path, arm: str) -> dict:
+def load_walk(runs: Path, arm: str, subset: int | None = None) -> dict:
+    """`walk632-ARM`'s walk, or with `subset`, the walk of those `subset` responses that
+    `--walk-sequences SUBSET` visits (from `walk632-ARM` cut down, else from `walkSUBSET-ARM`)."""
     path = runs / f"walk632-{arm}" / "offline_eval.json"
+    if subset and not path.exists():
+        path = runs / f"walk{subset}-{arm}" / "offline_eval.json"
     walk = json.loads(path.read_text()).get("walk")
     if not walk:
         raise SystemExit(f"{path} has no serving walk: run eval-offline with --walk-sequences")
+    if subset:
+        for mode in MODES:
+            rec = walk[mode]["per_sequence"]
+            if len(rec["seq"]) > subset:
+                keep = walk_subset(len(rec["seq"]), subset, 0)
+                walk[mode] = {"per_sequence": {key: [values[i] for i in keep] for key, values in rec.items()}}
     return walk
 
 
@@ -49,11 +62,17 @@ def main() -> None:
     parser.add_argument("--arms", default="R,B,L,BL,P", help="comma-separated arms; the first is the control")
     parser.add_argument("--reference", help="an untrained arm walked too (its walk only, e.g. S)")
     parser.add_argument("--resamples", type=int, default=10000)
+    parser.add_argument("--subset", type=int, help="compare on the responses `--walk-sequences SUBSET` visits "
+                        "(arms walked on 632 are cut down to them; the others read walkSUBSET-ARM)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     arms = args.arms.split(",")
     control = arms[0]
-    walks = {arm: load_walk(args.runs, arm) for arm in arms + ([args.reference] if args.reference else [])}
+    walks = {arm: load_walk(args.runs, arm, args.subset) for arm in arms + ([args.reference] if args.reference else [])}
+    for arm, walk in walks.items():  # paired comparisons need the same responses in the same order
+        for mode in MODES:
+            if walk[mode]["per_sequence"]["seq"] != walks[control][mode]["per_sequence"]["seq"]:
+                raise SystemExit(f"{arm}'s {mode} walk visited other responses than {control}'s")
 
     rows, diffs = [], {}
     header = ("| arm | walk chain τ | walk tree τ | chain − R (95 %) | tree − R (95 %) | reading | training s |\n"
