@@ -6,8 +6,9 @@ Windows come from the committed held-out corpus (`corpus/smollm2-135m-instruct`)
 the target (prompt + response, the target's own greedy continuation), and every position with a full context of
 `C` states is one window (its last `C` states, its committed tokens). For each window the drafter's own tree
 (`generation_config`: shape, budget, flow steps; `--mode chain`: its chain of `num_assistant_tokens`) is drafted three
-ways: eagerly with the velocity network's own expert-by-expert forward (the reference), eagerly as served (the
-experts stacked, `ChainFlowDrafter.serving_velocity`) and compiled. The verdicts of
+ways: eagerly with the velocity network's own expert-by-expert forward and the head products unpacked (`F.linear`;
+the reference), eagerly as served (the experts stacked, `ChainFlowDrafter.serving_velocity`; the head products
+packed, `hf_chainflow.packed_linear.PackedLinear`) and compiled. The verdicts of
 `hf_chainflow.drafting_round.compare_drafts` against the reference are counted (same / near-tie within 1e-3 /
 different), with the largest log-probability gap among identical drafts and the per-round times, interleaved.
 """
@@ -58,7 +59,9 @@ def main():
             for t in range(C - 1, ids.shape[1] - 1):
                 states, committed = h[:, t - C + 1: t + 1], ids[:, : t + 2]
                 start = time.perf_counter()
-                tables = drafter.serving_tables()._replace(velocity=drafter.velocity)  # the module's forward
+                # the module's forward, the head products unpacked (`F.linear`)
+                tables = drafter.serving_tables()._replace(velocity=drafter.velocity, head_linear=None,
+                                                           folded_linear=None)
                 want = DraftBatch(*drafting_round(drafter, tables, states, committed_tails(committed, p, pad), search,
                                                   kwargs["num_flow_steps"])).tree(0)
                 times["reference"].append(time.perf_counter() - start)

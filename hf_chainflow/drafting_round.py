@@ -15,6 +15,7 @@ and runs the same function eagerly.
 from __future__ import annotations
 
 import time
+import types
 import warnings
 
 import torch
@@ -32,8 +33,18 @@ def drafting_round(drafter, tables: ServingTables, hidden_states: torch.Tensor, 
     return search_levels(drafter, tables, states, tails, settings)
 
 
+def _own_copy(fn):
+    """`fn` with a code object of its own (equal to `fn`'s, not the same object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class CompiledDraftingRound:
-    """`drafting_round` compiled with `torch.compile` (inductor, static shapes), one entry per key.
+    """`drafting_round` compiled with `torch.compile` (inductor, static shapes, C++ wrapper), one entry per key.
+
+    Args:
+        cpp_wrapper (`bool`, *optional*, defaults to `True`): inductor's C++ wrapper: the compiled graph calls its
+            ~100 kernels from C++ instead of a generated Python wrapper (about a tenth of a tree round on a 2-core
+            CPU; docs/results.md, "The compiled drafting round"). `False`: the Python wrapper, compiled sooner.
 
     Attributes:
         compile_time (`float`): seconds spent in first calls (tracing and compiling) so far.
@@ -41,7 +52,8 @@ class CompiledDraftingRound:
             platform could not compile), `None` while compiling works.
     """
 
-    def __init__(self):
+    def __init__(self, cpp_wrapper: bool = True):
+        self.cpp_wrapper = cpp_wrapper
         self._rounds: dict = {}
         self.compile_time = 0.0
         self.eager_reason: str | None = None
@@ -60,9 +72,10 @@ class CompiledDraftingRound:
         fn = self._rounds.get(key)
         if fn is not None:
             return fn(*args)
-        # Dynamo's guards stay whole: its cache belongs to `drafting_round`'s code, shared by every key and drafter,
-        # so a guard filter (`torch.compiler.keep_tensor_guards_unsafe`) would let one key's graph run another's.
-        fn = torch.compile(drafting_round, dynamic=False)
+        # Each key compiles its own copy of `drafting_round` (a new code object): Dynamo keeps its cache per code
+        # object, so a call checks the guards of its own key's graph only, and the keys of every drafter in the
+        # process do not share Dynamo's recompile limit (8 graphs per code object, beyond which it runs eagerly).
+        fn = torch.compile(_own_copy(drafting_round), dynamic=False, options={"cpp_wrapper": self.cpp_wrapper})
         start = time.perf_counter()
         try:
             out = fn(*args)

@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput
 
 from .configuration_chainflow import ChainFlowConfig
 from .drafting_round import CompiledDraftingRound, drafting_round
+from .packed_linear import PackedLinear
 from .search import DraftBatch, ServingTables, candidate_search, committed_tails, search_levels
 from .settings import SearchSettings, check_num_flow_steps
 from .tree import DraftTree
@@ -780,9 +781,20 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
             to_draft = to_token = None
         else:
             to_draft, to_token = self._draft_index_lut(embed.device), self.shortlist_ids.to(embed.device)
-        return ServingTables(head=self.serving_head_weight(), folded=self.serving_feedback_weight(), embed=embed,
-                             to_draft=to_draft, to_token=to_token, dtype=self.dtype,
-                             velocity=self.serving_velocity())
+        head, folded = self.serving_head_weight(), self.serving_feedback_weight()
+        return ServingTables(head=head, folded=folded, embed=embed, to_draft=to_draft, to_token=to_token,
+                             dtype=self.dtype, velocity=self.serving_velocity(), head_linear=self._packed("head", head),
+                             folded_linear=None if folded is None else self._packed("folded", folded[0]))
+
+    def _packed(self, name: str, weight: torch.Tensor) -> PackedLinear:
+        """`weight` as a `PackedLinear` (packed for oneDNN where that is bit for bit `F.linear`), cached per `name`
+        until `weight` is another tensor or is changed in place (its `_version`; an inference tensor has none)."""
+        caches = self.__dict__.setdefault("_packed_cache", {})
+        version = None if weight.is_inference() else weight._version  # inference tensors keep no version
+        cache = caches.get(name)
+        if cache is None or cache[0] is not weight or cache[1] != version:
+            caches[name] = cache = (weight, version, PackedLinear(weight))
+        return cache[2]
 
     def _token_to_draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids -> draft-vocabulary indices (`S` for ids outside the shortlist)."""

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .packed_linear import PackedLinear
 from .settings import SearchSettings
 from .tree import DraftTree, keep_most_probable, take_parents
 
@@ -61,7 +62,9 @@ class ServingTables(NamedTuple):
     head (`(S, D)`): `serving_head_weight()`. folded: `serving_feedback_weight()` (`None`: term by term).
     embed (`(V, D)`): the target's input embeddings. to_draft (`(V,)`): vocabulary id -> draft index (`None`: no
     shortlist). to_token (`(S,)`): draft index -> vocabulary id (`None`: no shortlist). velocity: the velocity network
-    the round's transport integrates with (`serving_velocity()`; `None`: the drafter's default).
+    the round's transport integrates with (`serving_velocity()`; `None`: the drafter's default). head_linear,
+    folded_linear: `head` and `folded`'s matrix as `PackedLinear` (the same products, packed once for oneDNN where
+    that is bit for bit the same; `None`: `F.linear` with the tensors).
     """
 
     head: torch.Tensor
@@ -71,6 +74,8 @@ class ServingTables(NamedTuple):
     to_token: torch.Tensor | None
     dtype: torch.dtype
     velocity: object = None
+    head_linear: PackedLinear | None = None
+    folded_linear: PackedLinear | None = None
 
     def embed_tokens(self, tokens):
         """Frozen target embeddings of `tokens` `(...)` -> `(..., D)` in the drafter's dtype."""
@@ -102,13 +107,19 @@ def committed_tails(committed: torch.LongTensor, p: int, pad: int) -> torch.Long
     return tail
 
 
-def candidate_rows(states: torch.Tensor, weight: torch.Tensor, budget: int):
+def _linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor:
+    """`F.linear(x, weight)` in `weight`'s dtype, the weight a tensor or a `PackedLinear`."""
+    x = x.to(weight.dtype)
+    return weight(x) if isinstance(weight, PackedLinear) else F.linear(x, weight)
+
+
+def candidate_rows(states: torch.Tensor, weight: torch.Tensor | PackedLinear, budget: int):
     """Two-pass head, pass 1: head scores of the drafted positions `states` `(B, d, D)` against `weight` `(S, D)`
-    (products in `weight`'s dtype) -> candidate rows `(B, M)` (`None` when `S <= budget`: every row) and their scores
-    `(B, d, M or S)`, float32."""
+    (a tensor or a `PackedLinear`; products in its dtype) -> candidate rows `(B, M)` (`None` when `S <= budget`:
+    every row) and their scores `(B, d, M or S)`, float32."""
     B, d, D = states.shape
-    scores = F.linear(states.reshape(B * d, D).to(weight.dtype), weight).float().reshape(B, d, -1)  # (B, d, S)
-    if weight.shape[0] <= budget:
+    scores = _linear(states.reshape(B * d, D), weight).float().reshape(B, d, -1)  # (B, d, S)
+    if scores.shape[2] <= budget:
         return None, scores
     rows = scores.max(1).values.topk(budget, -1).indices  # (B, M)
     return rows, scores.gather(2, rows[:, None, :].expand(B, d, budget))  # (B, M), (B, d, M)
@@ -117,14 +128,15 @@ def candidate_rows(states: torch.Tensor, weight: torch.Tensor, budget: int):
 def folded_feedback_logits(drafter, tables: ServingTables, states: torch.Tensor, parents: torch.LongTensor,
                            fused: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The feedback terms of Eq. 3 with the folded heads (`serving_feedback_weight`): `states` `(n, D)` (one per
-    parents row, may be an expanded view), `parents` `(n, p)` -> `(n, S)`, float32."""
+    parents row, may be an expanded view), `parents` `(n, p)`, `fused` `(S, R + r)` (a tensor or a `PackedLinear`)
+    -> `(n, S)`, float32."""
     feats = []
     if drafter.path_head is not None:
         feats.append(drafter.path_head.hidden(tables.embed_tokens(parents), states))  # (n, R)
     if drafter.markov_head is not None:
         feats.append(drafter.markov_head.u1(tables.draft_index(parents[:, -1])))  # (n, r)
-    x = torch.cat(feats, -1).to(fused.dtype)  # (n, R + r)
-    return F.linear(x, fused).float() + bias  # (n, S)
+    x = torch.cat(feats, -1)  # (n, R + r)
+    return _linear(x, fused).float() + bias  # (n, S)
 
 
 def _rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -173,9 +185,12 @@ def search_levels(drafter, tables: ServingTables, states: torch.Tensor, tails: t
     branching = 1 if settings.mode == "chain" else min(cfg.tree_branching, width)
     device = states.device
     full = tables.head  # (S, D)
-    rows, head = candidate_rows(states[:, :depth], full, cfg.candidate_budget)  # (B, M) | None, (B, d, M)
+    rows, head = candidate_rows(states[:, :depth], full if tables.head_linear is None else tables.head_linear,
+                                cfg.candidate_budget)  # (B, M) | None, (B, d, M)
     folded = tables.folded  # (S, R + r), (S,) | None: scored whole, then restricted to the rows
     # (cheaper on CPU than gathering M rows of the matrix every round)
+    if folded is not None and tables.folded_linear is not None:
+        folded = (tables.folded_linear, folded[1])
     budget = settings.budget
     cut = budget is not None and budget < sum(level_sizes(settings, cfg.tree_branching))
 

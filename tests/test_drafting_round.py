@@ -90,3 +90,28 @@ def test_generate_with_the_compiled_round_equals_plain_generate(family):
             assert torch.equal(speculative, plain), (family, mode, i)
     assert drafter.compiled_round is not None and drafter.compiled_round.eager_reason is None
     assert len(drafter.compiled_round.keys) >= 2  # both modes ran compiled
+
+
+@pytest.mark.slow
+def test_more_keys_than_dynamos_recompile_limit_all_compile():
+    """Each key compiles its own copy of the round: beyond Dynamo's 8 graphs per code object (its recompile limit,
+    past which a shared function would silently run eagerly) every new key still gets a graph of its own."""
+    from torch._dynamo.utils import counters
+
+    from hf_chainflow.drafting_round import CompiledDraftingRound
+
+    target = tiny_target("llama", num_layers=2)
+    drafter = _drafter(target)
+    drafter._compiled_round = CompiledDraftingRound(cpp_wrapper=False)  # the Python wrapper compiles sooner
+    C, D = drafter.config.context_size, drafter.config.context_state_size
+    limit = torch._dynamo.config.recompile_limit
+    shapes = [dict(mode="tree", tree_width=w, tree_depth=2) for w in range(2, limit + 3)]
+    states, committed = torch.randn(1, C, D), torch.tensor([[5, 6, 7]])
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for shape in shapes:
+            want = drafter.draft(states, committed, **shape, compile=False)
+            got = drafter.draft(states, committed, **shape, compile=True)
+            assert compare_drafts(want, got) != "different", shape
+    assert len(drafter.compiled_round.keys) == len(shapes) > limit
+    assert counters["stats"]["unique_graphs"] - before == len(shapes)

@@ -3,7 +3,7 @@ VAE / flow / head / search, next to the target's own one-token step and multi-to
 
     python docs/research/scripts/benchmark_drafting.py [--drafter PATH] [--threads 2] [--repeats 30] [--context 300] [--compile]
     python docs/research/scripts/benchmark_drafting.py --served-round [--drafter PATH] [--round-threads 1 2]
-        [--rounds 200] [--profile]
+        [--rounds 200] [--profile] [--module-experts] [--packing]
 
 Without `--drafter`, a randomly initialised drafter with the default config for the target is timed (latency does
 not depend on the weights' values). `--compile` also times the drafting round with the transport
@@ -14,8 +14,10 @@ drafter's tree with its budget cut, and a chain of `num_assistant_tokens`), eage
 (`compile=True`, warmed up outside timing), interleaved round by round, at each of `--round-threads`, on real target
 states: a few evaluation prompts (`hf_chainflow/data/eval_prompts.jsonl`, one per domain) answered greedily by the
 target, each position of the answers one window. `--module-experts` also times every arm with the flow's experts run
-one by one (their module forward, as before `StackedExperts`), interleaved. `--profile` adds a per-op profile
-(`torch.profiler`, self CPU time per round) of the compiled tree round.
+one by one (their module forward, as before `StackedExperts`), interleaved; `--packing` also times it with the head
+products unpacked (`F.linear`, as before `PackedLinear`) and compiled with inductor's Python wrapper, and packed
+with the Python wrapper. `--profile` adds a per-op profile (`torch.profiler`, self CPU time per round) of the
+compiled tree round of each setup.
 """
 
 import argparse
@@ -59,6 +61,9 @@ def main():
     parser.add_argument("--profile", action="store_true", help="--served-round: per-op profile of the compiled round")
     parser.add_argument("--module-experts", action="store_true",
                         help="--served-round: also time the rounds with the experts' module forward")
+    parser.add_argument("--packing", action="store_true",
+                        help="--served-round: also time the rounds with the head products unpacked and the compiled "
+                             "round with inductor's Python wrapper (before), and packed with the Python wrapper")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.served_round:
@@ -164,6 +169,7 @@ def answered_windows(target, tokenizer, num_prompts: int, context: int, new_toke
 def served_round(args):
     """`--served-round`: per-round medians of `drafter.draft`, eager and compiled, tree and chain, interleaved."""
     from hf_chainflow.checkpoints import default_drafter_path
+    from hf_chainflow.drafting_round import CompiledDraftingRound
     from hf_chainflow.settings import SpeculativeSettings
 
     target, tokenizer = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
@@ -176,19 +182,31 @@ def served_round(args):
     arms = {f"tree {g.tree_width}x{g.tree_depth} cut to {g.tree_budget}": base.replace(mode="tree"),
             f"chain {g.num_assistant_tokens}": base.replace(mode="chain")}
     kwargs = {name: s.draft_kwargs(10 ** 6) for name, s in arms.items()}
-    experts = {"stacked": drafter.serving_velocity}
-    if args.module_experts:  # an instance attribute shadowing the method: `serving_tables` then hands the module
-        experts["module"] = lambda: drafter.velocity
+    # setup -> (the velocity `serving_tables` hands the round, packed head products?, inductor's C++ wrapper?)
+    stacked, tables = drafter.serving_velocity, drafter.serving_tables
+    setups = {"served": (stacked, True, True)}
+    if args.module_experts:
+        setups["module"] = (lambda: drafter.velocity, True, True)
+    if args.packing:
+        setups["unpacked, py"] = (stacked, False, False)
+        setups["packed, py"] = (stacked, True, False)
+    rounds = {name: CompiledDraftingRound(cpp_wrapper=setup[2]) for name, setup in setups.items()}
 
-    def draft(states, ids, kw, compiled, forward):
-        drafter.serving_velocity = experts[forward]
+    def use(setup):  # instance attributes shadowing the methods (`serving_tables` reads `self.serving_velocity`)
+        velocity, packed, _ = setups[setup]
+        drafter.serving_velocity = velocity
+        drafter.serving_tables = tables if packed else lambda: tables()._replace(head_linear=None, folded_linear=None)
+        drafter._compiled_round = rounds[setup]
+
+    def draft(states, ids, kw, compiled, setup):
+        use(setup)
         drafter.draft(states, ids, **kw, compile=compiled)
 
     with torch.inference_mode():
         start = time.perf_counter()
         for kw in kwargs.values():  # compile the full-depth key of each arm, outside timing
-            for forward in experts:
-                draft(*windows[0], kw, True, forward)
+            for setup in setups:
+                draft(*windows[0], kw, True, setup)
         compile_s = time.perf_counter() - start
         times = {}
         for threads in args.round_threads:
@@ -196,28 +214,31 @@ def served_round(args):
             for i in range(args.rounds + 10):  # the first 10 warm the caches at this thread count
                 states, ids = windows[i % len(windows)]
                 for name, kw in kwargs.items():
-                    for forward in experts:
+                    for setup in setups:
                         for compiled in (False, True):
                             begin = time.perf_counter()
-                            draft(states, ids, kw, compiled, forward)
+                            draft(states, ids, kw, compiled, setup)
                             if i >= 10:
-                                times.setdefault((name, forward, compiled, threads), []).append(
+                                times.setdefault((name, setup, compiled, threads), []).append(
                                     time.perf_counter() - begin)
-    drafter.serving_velocity = experts["stacked"]
     load = os.getloadavg()
     print(f"served drafting round, {len(windows)} windows of real target states ({args.dtype}), "
-          f"{args.rounds} rounds per arm, interleaved; compile {compile_s:.1f} s; load {load[0]:.2f} {load[1]:.2f}")
-    print(f"{'round':28s} {'experts':>8s} {'threads':>7s} {'eager ms':>9s} {'compiled ms':>12s}")
+          f"{args.rounds} rounds per arm, interleaved; compile {compile_s:.1f} s; load {load[0]:.2f} {load[1]:.2f}; "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"{'round':28s} {'setup':>12s} {'threads':>7s} {'eager ms':>9s} {'compiled ms':>12s}")
     for name in kwargs:
         for threads in args.round_threads:
-            for forward in experts:
-                eager, compiled = (1e3 * statistics.median(times[(name, forward, c, threads)]) for c in (False, True))
-                print(f"{name:28s} {forward:>8s} {threads:7d} {eager:9.2f} {compiled:12.2f}")
+            for setup in setups:
+                eager, compiled = (1e3 * statistics.median(times[(name, setup, c, threads)]) for c in (False, True))
+                print(f"{name:28s} {setup:>12s} {threads:7d} {eager:9.2f} {compiled:12.2f}")
     if args.profile:
-        profile_round(drafter, windows, next(iter(kwargs.values())), args.round_threads[-1], args.rounds)
+        for setup in setups:
+            use(setup)
+            profile_round(drafter, windows, next(iter(kwargs.values())), args.round_threads[-1], args.rounds, setup)
+    use("served")
 
 
-def profile_round(drafter, windows, kwargs, threads, rounds):
+def profile_round(drafter, windows, kwargs, threads, rounds, setup):
     """Self CPU time per round of each op in `rounds` compiled rounds (`torch.profiler`)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -227,7 +248,7 @@ def profile_round(drafter, windows, kwargs, threads, rounds):
             drafter.draft(*windows[i % len(windows)], **kwargs, compile=True)
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in rows)
-    print(f"profile of the compiled round ({kwargs['mode']}, {threads} thread(s)), self CPU per round: "
+    print(f"profile of the compiled round ({kwargs['mode']}, {setup}, {threads} thread(s)), self CPU per round: "
           f"{total / 1e3 / rounds:.2f} ms in all")
     print(f"{'op':60s} {'calls/round':>11s} {'ms/round':>9s}")
     for e in rows[:25]:
