@@ -6,11 +6,11 @@ compiled round. Run from the repository root: `PYTHONPATH=. python docs/research
 import sys, torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.corpus import ResponseCorpus
 from hf_chainflow.drafting_round import compare_drafts
 from hf_chainflow.search import committed_tails, candidate_rows, search_levels, DraftBatch
 from hf_chainflow.settings import SpeculativeSettings, SearchSettings
 from hf_chainflow.targets import load_target
+from windows import held_out_windows
 torch.set_num_threads(1)
 target, _ = load_target("smollm2-135m-instruct", dtype=torch.bfloat16)
 drafter = ChainFlowDrafter.from_pretrained(default_drafter_path(), target=target).eval()
@@ -23,30 +23,20 @@ def transport(states, tails, velocity):
     return drafter.predict_states(states, num_flow_steps=kwargs["num_flow_steps"], bonus_tokens=tails[:, -1], velocity=velocity)
 ctransport = torch.compile(transport, dynamic=False)
 want = {26, 538, 668, 901}
-rows = ResponseCorpus("corpus/smollm2-135m-instruct").responses("heldout")
-done = 0
 with torch.inference_mode():
-    for row in rows.values():
-        ids = torch.tensor([list(row["prompt_ids"]) + list(row["response_ids"])])
-        h = target(input_ids=ids, output_hidden_states=True).hidden_states[-1]
-        for t in range(C - 1, ids.shape[1] - 1):
-            if done in want:
-                states = h[:, t - C + 1: t + 1].clone()
-                committed = ids[:, : t + 2]
-                tails = committed_tails(committed, p, pad)
-                tables = drafter.serving_tables()
-                se = transport(states, tails, tables.velocity)
-                sc = ctransport(states, tails, tables.velocity)
-                re, _ = candidate_rows(se[:, :4], tables.head, M)
-                rc, _ = candidate_rows(sc[:, :4], tables.head, M)
-                diff_rows = len(set(re[0].tolist()) ^ set(rc[0].tolist()))
-                te = DraftBatch(*search_levels(drafter, tables, se, tails, search)).tree(0)
-                tec = DraftBatch(*search_levels(drafter, tables, sc, tails, search)).tree(0)
-                tc = drafter.draft(states, committed, **kwargs, compile=True)
-                print(done, f"states max|diff| {float((se - sc).abs().max()):.2e}", "candidate rows differ:", diff_rows,
-                      "eager-search(compiled states) vs compiled round:", compare_drafts(tc, tec),
-                      "eager vs compiled round:", compare_drafts(te, tc),
-                      f"logprob gap {float((tec.logprobs - tc.logprobs).abs().max()) if compare_drafts(tc, tec) == 'same' else -1:.2e}", flush=True)
-            done += 1
-            if done > max(want): break
-        if done > max(want): break
+    for done, states, committed in held_out_windows(target, C, max(want) + 1):
+        if done in want:
+            tails = committed_tails(committed, p, pad)
+            tables = drafter.serving_tables()
+            se = transport(states, tails, tables.velocity)
+            sc = ctransport(states, tails, tables.velocity)
+            re, _ = candidate_rows(se[:, :4], tables.head, M)
+            rc, _ = candidate_rows(sc[:, :4], tables.head, M)
+            diff_rows = len(set(re[0].tolist()) ^ set(rc[0].tolist()))
+            te = DraftBatch(*search_levels(drafter, tables, se, tails, search)).tree(0)
+            tec = DraftBatch(*search_levels(drafter, tables, sc, tails, search)).tree(0)
+            tc = drafter.draft(states, committed, **kwargs, compile=True)
+            print(done, f"states max|diff| {float((se - sc).abs().max()):.2e}", "candidate rows differ:", diff_rows,
+                  "eager-search(compiled states) vs compiled round:", compare_drafts(tc, tec),
+                  "eager vs compiled round:", compare_drafts(te, tc),
+                  f"logprob gap {float((tec.logprobs - tc.logprobs).abs().max()) if compare_drafts(tc, tec) == 'same' else -1:.2e}", flush=True)

@@ -5,11 +5,11 @@ held-out windows. Run from the repository root: `PYTHONPATH=. python docs/resear
 import sys, torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.corpus import ResponseCorpus
 from hf_chainflow.drafting_round import compare_drafts, drafting_round, CompiledDraftingRound
 from hf_chainflow.search import DraftBatch, committed_tails
 from hf_chainflow.settings import SearchSettings, SpeculativeSettings
 from hf_chainflow.targets import load_target
+from windows import held_out_windows
 
 N = int(sys.argv[1])
 torch.set_num_threads(1)
@@ -24,27 +24,18 @@ setups = {"unpacked,py": (False, False), "packed,py": (True, False), "unpacked,c
 rounds = {k: CompiledDraftingRound(cpp_wrapper=v[1]) for k, v in setups.items()}
 counts = {k: {"same": 0, "near-tie": 0, "different": 0} for k in setups}
 gaps = {k: 0.0 for k in setups}
-rows = ResponseCorpus("corpus/smollm2-135m-instruct").responses("heldout")
-done = 0
 with torch.inference_mode():
-    for row in rows.values():
-        ids = torch.tensor([list(row["prompt_ids"]) + list(row["response_ids"])])
-        h = target(input_ids=ids, output_hidden_states=True).hidden_states[-1]
-        for t in range(C - 1, ids.shape[1] - 1):
-            states, committed = h[:, t - C + 1: t + 1], ids[:, : t + 2]
-            tables = tables0()._replace(velocity=drafter.velocity, head_linear=None, folded_linear=None)
-            want = DraftBatch(*drafting_round(drafter, tables, states, committed_tails(committed, p, pad), search, kwargs["num_flow_steps"])).tree(0)
-            for k, (packed, cpp) in setups.items():
-                drafter.serving_tables = tables0 if packed else (lambda: tables0()._replace(head_linear=None, folded_linear=None))
-                drafter._compiled_round = rounds[k]
-                got = drafter.draft(states, committed, **kwargs, compile=True)
-                v = compare_drafts(want, got); counts[k][v] += 1
-                if v == "same":
-                    gaps[k] = max(gaps[k], float((want.logprobs - got.logprobs).abs().max()))
-                elif v == "different" and k == "packed,cpp":
-                    print("window", done, k, "want", want.tokens.tolist(), want.logprobs.tolist()[:4], "got", got.tokens.tolist(), got.logprobs.tolist()[:4], flush=True)
-            done += 1
-            if done >= N: break
-        if done >= N: break
+    for done, states, committed in held_out_windows(target, C, N):
+        tables = tables0()._replace(velocity=drafter.velocity, head_linear=None, folded_linear=None)
+        want = DraftBatch(*drafting_round(drafter, tables, states, committed_tails(committed, p, pad), search, kwargs["num_flow_steps"])).tree(0)
+        for k, (packed, cpp) in setups.items():
+            drafter.serving_tables = tables0 if packed else (lambda: tables0()._replace(head_linear=None, folded_linear=None))
+            drafter._compiled_round = rounds[k]
+            got = drafter.draft(states, committed, **kwargs, compile=True)
+            v = compare_drafts(want, got); counts[k][v] += 1
+            if v == "same":
+                gaps[k] = max(gaps[k], float((want.logprobs - got.logprobs).abs().max()))
+            elif v == "different" and k == "packed,cpp":
+                print("window", done, k, "want", want.tokens.tolist(), want.logprobs.tolist()[:4], "got", got.tokens.tolist(), got.logprobs.tolist()[:4], flush=True)
 for k in setups:
     print(k, counts[k], f"max gap {gaps[k]:.2e}")
