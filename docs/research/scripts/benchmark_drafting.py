@@ -88,18 +88,25 @@ def main():
     g = drafter.generation_config
 
     with torch.no_grad():
-        context, mask = drafter._context(h)
-        z0 = drafter.source(context, mask)
-        z1 = drafter.integrate(z0, context, mask, cfg.num_flow_steps)
-        states = drafter.decode(z1)[0]
+        from hf_chainflow.search import candidate_rows
+
+        latents, condition, mask = drafter._context(h)  # (1, C, Z), the velocity's conditioning, None
+        velocity, tables = drafter.serving_velocity(), drafter.serving_tables()  # as served: stacked, packed
+
+        def flow():
+            return drafter.integrate(drafter.source(latents, mask), condition, mask, cfg.num_flow_steps,
+                                     velocity=velocity)
+
+        z1 = flow()  # (1, K, Z)
+        states = drafter.decode(z1)[0]  # (K, D)
+        head = tables.head if tables.head_linear is None else tables.head_linear
         rows = {
             "vae encode (context)": timed(lambda: drafter._context(h), args.repeats),
-            f"flow ({cfg.num_flow_steps} Euler step, {cfg.num_experts}x{cfg.num_blocks} blocks)":
-                timed(lambda: drafter.integrate(drafter.source(context, mask), context, mask, cfg.num_flow_steps),
-                      args.repeats),
+            f"flow ({cfg.num_flow_steps} Euler step, {cfg.num_experts}x{cfg.num_blocks} blocks, stacked)":
+                timed(flow, args.repeats),
             "vae decode": timed(lambda: drafter.decode(z1), args.repeats),
             f"candidate head pass 1 ({g.tree_depth} positions, {drafter.config.serving_head_dtype})": timed(
-                lambda: drafter._candidates(states[: g.tree_depth], drafter.serving_head_weight()), args.repeats),
+                lambda: candidate_rows(states[None, : g.tree_depth], head, cfg.candidate_budget), args.repeats),
             f"search chain {g.num_assistant_tokens}": timed(
                 lambda: drafter.search(states, ids[0], mode="chain", num_tokens=g.num_assistant_tokens), args.repeats),
             f"search tree {g.tree_width}x{g.tree_depth}": timed(
