@@ -61,11 +61,13 @@ def main() -> None:
         prompts.append(BenchPrompt(pid, line["record"]["domain"], torch.zeros(1, 1, dtype=torch.long)))
         wall += line["wall"]
     machine = parts[0]["machine"] if parts else {}
-    settings = {**settings, "parts": len(parts), "summarised": {"journal": Path(args.journal).name,
-                                                          "first": len(order), "of": settings["num_prompts"]}}
+    total = settings["num_prompts"]
+    settings = {**settings, "num_prompts": len(order), "parts": len(parts),
+                "summarised": {"journal": Path(args.journal).name, "first": len(order), "of": total}}
     results = summarise(arms, runs, details, per_prompt, prompts, settings=settings, machine=machine, wall_time=wall)
-    if len(order) < settings["num_prompts"]:
-        results["partial"] = {"prompts_done": len(order), "prompts_total": settings["num_prompts"]}
+    results["machine"].pop("load_average_end", None)  # summarise reads it now, not at the run's end
+    if args.first is None and len(order) < total:  # a run still going (a chosen prefix is not)
+        results["partial"] = {"prompts_done": len(order), "prompts_total": total}
     for name, path in write_results(results, args.out).items():
         print(f"wrote {path}")
 
