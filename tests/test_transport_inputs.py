@@ -122,8 +122,9 @@ REFERENCE = Path(__file__).resolve().parent / "fixtures" / "shipped_drafts.json"
 def test_the_shipped_drafter_drafts_what_it_drafted_before_the_new_fields():
     """Chains and trees of the shipped drafter on the real SmolLM2 target at two fixed contexts equal those recorded
     (tests/fixtures/shipped_drafts.json, written on this project's AVX-512 BF16 CPUs, float32 drafter, bfloat16
-    serving head): first before `bonus_embedding` and `target_layer_ids` existed, re-recorded for each shipped
-    weight file after the previous one still reproduced its record (tests/fixtures/README.md)."""
+    serving head; the predicted states' sum up to float32 rounding across CPU kinds): first before
+    `bonus_embedding` and `target_layer_ids` existed, re-recorded for each shipped weight file after the previous one
+    still reproduced its record (tests/fixtures/README.md)."""
     from hf_chainflow.targets import load_target
 
     reference = json.loads(REFERENCE.read_text())
@@ -137,7 +138,9 @@ def test_the_shipped_drafter_drafts_what_it_drafted_before_the_new_fields():
         assert (tree.tokens.tolist(), tree.parents.tolist()) == (case["tokens"], case["parents"]), case["kwargs"]
         if "states_sum" in case:
             predicted = drafter.predict_states(states[:, :cut - 1])
-            assert float(predicted.double().sum()) == pytest.approx(case["states_sum"], rel=1e-9)
+            # Float32 products are reduced in a CPU-dependent order (oneDNN/MKL pick kernels per CPU): the sum moved
+            # by 6.4e-7 relative between the recording EPYC Zen 4 and an Intel Xeon model 207, with identical drafts.
+            assert float(predicted.double().sum()) == pytest.approx(case["states_sum"], rel=1e-5)
 
 
 @pytest.mark.parametrize("lever", sorted(LEVERS))
