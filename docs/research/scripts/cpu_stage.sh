@@ -6,18 +6,23 @@
 #
 #     bash docs/research/scripts/cpu_stage.sh K INIT [REFERENCE_WALK]
 #
-# K: segment number, 1..6 (segment K reads the shards 40(K-1) .. 40K-1 of the train split's plan, shuffle seed 0).
+# K: segment number (segment K reads the shards S(K-1) .. SK-1 of the train split's plan, shuffle seed 0, where S is
+#   SHARDS_PER_SEGMENT).
 # INIT: the drafter folder it starts from (segment 1: the shipped round-14 drafter).
 # REFERENCE_WALK: an offline_eval.json walked on the same held-out data (default: INIT's walk on this machine, made in
 #   phase 4 beside the segment's own walk).
+# Env: SHARDS_PER_SEGMENT (default 40, segment 1's), STEPS (default 500, x 512 windows), W (work folder, default
+#   runs/cpu-stage). Segment 1 (40 shards, 500 steps) memorised its responses and gained nothing held out
+#   (docs/research/results/cpu-stage/README.md); the half-corpus stage that replaced it is
+#   SHARDS_PER_SEGMENT=121 STEPS=250 W=runs/cpu-half (about 8 windows a response, round 14's breadth).
 set -euo pipefail
 K=$1
 INIT=$2
 REFERENCE_WALK=${3:-}
-SHARDS_PER_SEGMENT=40
-STEPS=500             # x 512 windows = 256,000, the size of round 14's GPU stage
+SHARDS_PER_SEGMENT=${SHARDS_PER_SEGMENT:-40}
+STEPS=${STEPS:-500}   # x 512 windows; 500 = 256,000, the size of round 14's GPU stage
 CORPUS=corpus/smollm2-135m-instruct
-W=runs/cpu-stage
+W=${W:-runs/cpu-stage}
 SEG=$W/segment-$K
 FIRST=$(( (K - 1) * SHARDS_PER_SEGMENT ))
 END=$(( K * SHARDS_PER_SEGMENT ))
@@ -56,8 +61,8 @@ else
 fi
 log "1. data ready: $DATA shards $SHARDS"
 
-# 2. Train: round 14's recipe (batch 512, lr 2e-4, 100 warm-up steps, linear decay), decayed to 0 at STEPS, seed K
-#    (fresh windows), checkpoints every 50 steps for the resume.
+# 2. Train: round 14's recipe (batch 512, lr 2e-4, warm-up, linear decay), warm-up STEPS/5 (100 at 500), decayed to
+#    0 at STEPS, seed K (fresh windows), checkpoints every 50 steps for the resume.
 RUN=$SEG/run
 if [ ! -f "$RUN/train_summary.json" ]; then
   RESUME=()
@@ -66,7 +71,7 @@ if [ ! -f "$RUN/train_summary.json" ]; then
   hf-chainflow train --data "$DATA" --shards "$SHARDS" --init-from "$INIT" --out "$RUN" --max-steps $STEPS \
     --batch-size 512 --lr 2e-4 --seed "$K" --threads 2 --num-workers 0 --logging-steps 10 --save-steps 50 \
     --save-total-limit 2 --train-flow-steps 1 --training-arg lr_scheduler_type=linear \
-    --training-arg warmup_steps=100 --training-arg loss_kd_weight=1.0 "${RESUME[@]}" >> "$SEG/train.log" 2>&1
+    --training-arg warmup_steps=$(( STEPS / 5 )) --training-arg loss_kd_weight=1.0 "${RESUME[@]}" >> "$SEG/train.log" 2>&1
 fi
 if [ ! -f "$SEG/drafter/model.safetensors" ]; then
   python - "$RUN" "$SEG/drafter" <<'EOF'
