@@ -42,7 +42,7 @@ if [ "$K" = 1 ]; then
     hf-chainflow prepare --corpus $CORPUS --split train --hidden-dtype bfloat16 --threads 2 --out "$DATA" \
       --max-shards $(( END - have )) >> "$SEG/prepare.log" 2>&1
   fi
-  SHARDS="0-$((END - 1))"
+  SHARDS=(--shards "0-$((END - 1))")
 else
   if [ ! -f "$W/data/plan.json" ]; then
     log "1a. the plan (shard 0 of the plan folder)"
@@ -57,9 +57,9 @@ else
     hf-chainflow prepare --responses "$SEG/rows/part-0.jsonl" --keep-order --hidden-dtype bfloat16 --threads 2 \
       --out "$DATA" --max-shards $(( SHARDS_PER_SEGMENT - have )) >> "$SEG/prepare.log" 2>&1
   fi
-  SHARDS=all
+  SHARDS=()  # every shard of the folder
 fi
-log "1. data ready: $DATA shards $SHARDS"
+log "1. data ready: $DATA ${SHARDS[*]:-(every shard)}"
 
 # 2. Train: round 14's recipe (batch 512, lr 2e-4, warm-up, linear decay), warm-up STEPS/5 (100 at 500), decayed to
 #    0 at STEPS, seed K (fresh windows), checkpoints every 50 steps for the resume.
@@ -68,23 +68,14 @@ if [ ! -f "$RUN/train_summary.json" ]; then
   RESUME=()
   ls -d "$RUN"/checkpoint-* > /dev/null 2>&1 && RESUME=(--resume last)
   log "2. train from $INIT (${RESUME[*]:-fresh})"
-  hf-chainflow train --data "$DATA" --shards "$SHARDS" --init-from "$INIT" --out "$RUN" --max-steps $STEPS \
+  hf-chainflow train --data "$DATA" "${SHARDS[@]}" --init-from "$INIT" --out "$RUN" --max-steps $STEPS \
     --batch-size 512 --lr 2e-4 --seed "$K" --threads 2 --num-workers 0 --logging-steps 10 --save-steps 50 \
     --save-total-limit 2 --train-flow-steps 1 --training-arg lr_scheduler_type=linear \
     --training-arg warmup_steps=$(( STEPS / 5 )) --training-arg loss_kd_weight=1.0 "${RESUME[@]}" >> "$SEG/train.log" 2>&1
 fi
-if [ ! -f "$SEG/drafter/model.safetensors" ]; then
-  python - "$RUN" "$SEG/drafter" <<'EOF'
-import shutil, sys
-from pathlib import Path
-import torch
-from hf_chainflow import ChainFlowDrafter
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-ChainFlowDrafter.from_pretrained(src).to(torch.float16).save_pretrained(dst)
-for extra in ("generation_config.json", "train_summary.json"):
-    if (src / extra).is_file() and not (dst / extra).exists():
-        shutil.copy(src / extra, dst / extra)
-EOF
+if [ ! -f "$SEG/drafter/model.safetensors" ]; then  # float16, as the GPU runbook packs a drafter
+  python "$HERE/../device/pack.py" pack drafter "$RUN" last "$SEG/train.log" "$SEG/drafter.tar.xz"
+  tar -C "$SEG" -xJf "$SEG/drafter.tar.xz"
 fi
 log "2. trained: $SEG/drafter (float16)"
 
