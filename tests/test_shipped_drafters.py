@@ -105,3 +105,46 @@ def test_shipped_drafter_drafts_up_to_its_measured_batch_cutoff(target_and_input
         out = target.generate(**batch, assistant_model=drafter, do_sample=False, max_new_tokens=8)
         assert torch.equal(out, plain)
         assert drafter.last_stats.speculative is drafts and drafter.last_stats.batch_size == size
+
+
+@pytest.mark.slow
+def test_shipped_dflash_drafter_runs_in_stock_transformers_on_the_real_target(target_and_inputs):
+    # The DFlash comparison drafter (docs/dflash.md) is a plain transformers folder: a process that imports only
+    # transformers loads it with `AutoModel` and its `speculation_type="dflash"` greedy output equals plain greedy
+    # generation on the real target, with drafts accepted (fewer target forwards than new tokens).
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    from hf_chainflow.targets import convert_target
+
+    _, _, inputs, plain = target_and_inputs
+    folder = default_drafter_path().parent / "smollm2-135m-instruct-dflash"
+    prompts = [x["input_ids"][0].tolist() for x in inputs]
+    script = textwrap.dedent(f"""
+        import json, sys
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained({str(convert_target())!r}, dtype=torch.float32).eval()
+        drafter = AutoModel.from_pretrained({str(folder)!r}, dtype=torch.float32).eval()
+        forwards = []
+        target.register_forward_hook(lambda *a: forwards.append(1))
+        report = []
+        for ids in {prompts!r}:
+            ids = torch.tensor([ids])
+            forwards.clear()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                                  speculation_type="dflash", do_sample=False, max_new_tokens={MAX_NEW_TOKENS})
+            report.append({{"tokens": out[0].tolist(), "forwards": len(forwards)}})
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] == "hf_chainflow")
+        print(json.dumps({{"class": type(drafter).__name__, "hf_chainflow": loaded, "report": report}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["class"] == "MuseGlimmerAssistantModel" and result["hf_chainflow"] == []
+    for r, expected in zip(result["report"], plain):
+        assert r["tokens"] == expected[0].tolist()
+    new_tokens = sum(len(e[0]) - x["input_ids"].shape[1] for x, e in zip(inputs, plain))
+    assert sum(r["forwards"] for r in result["report"]) < new_tokens  # drafts were accepted

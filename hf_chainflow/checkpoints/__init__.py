@@ -1,5 +1,8 @@
-"""Drafters shipped inside the package, one folder per target (`config.json`, `model.safetensors`,
-`generation_config.json`), loadable with `ChainFlowDrafter.from_pretrained(path, target=target)`."""
+"""Drafters shipped inside the package: the ChainFlow drafter of each target (`config.json`, `model.safetensors`,
+`generation_config.json`; `ChainFlowDrafter.from_pretrained(path, target=target)`) in the folder named after the target,
+and comparison drafters beside it: `<target>-flashmap` (a ChainFlow drafter configured as the FlashMap-style variant)
+and `<target>-dflash` (a stock transformers DFlash drafter: `AutoModel.from_pretrained(path, dtype=target.dtype)`,
+docs/dflash.md)."""
 
 from __future__ import annotations
 
