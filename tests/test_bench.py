@@ -17,6 +17,7 @@ from hf_chainflow.bench import (
     first_divergence,
     markdown_table,
     run_bench,
+    select_arms,
     stratified_selection,
     warm_up_arms,
     write_results,
@@ -364,6 +365,22 @@ def saved(tmp_path_factory):
     g.tree_width, g.tree_depth, g.tree_budget, g.lookup_num_tokens = 3, 2, 4, 3
     drafter.save_pretrained(tmp / "drafter")
     return tmp
+
+
+def test_arms_are_kept_per_dtype_by_name_at_dtype():
+    target = tiny_target("llama", num_layers=2)
+    drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER)).bind_target(target).eval()
+    dtypes = ["float32", "bfloat16"]
+    arms = build_arms(dtypes, {"chainflow": drafter}, tree=(2, 2), only=["ar", "tree@float32", "pld@bfloat16"])
+    assert [a.key for a in arms] == ["ar@float32", "tree@float32", "ar@bfloat16", "pld@bfloat16"]
+    assert [a.key for a in build_arms(dtypes, {}, only=["pld", "ar"])] == [
+        "ar@float32", "pld@float32", "ar@bfloat16", "pld@bfloat16"]
+    assert select_arms(None, ["ar", "pld"], ["float32"]) == {("ar", "float32"), ("pld", "float32")}
+    for only, match in ((["ar", "tree@float16"], r"unknown arms \['tree@float16'\]"),
+                        (["ar", "chain@"], r"unknown arms \['chain@'\]"),
+                        (["ar@float32", "pld@float32"], r"runs nothing in \['bfloat16'\]")):
+        with pytest.raises(ValueError, match=match):
+            build_arms(dtypes, {"chainflow": drafter}, only=only)
 
 
 def test_warm_up_arms_records_the_drafting_setup():

@@ -190,7 +190,11 @@ def test_train_checks_data_and_shards_before_loading_the_target(tmp_path, monkey
 
 
 def test_bench_lists_every_arm_it_could_run_for_an_unknown_one():
-    with pytest.raises(SystemExit, match=r"unknown arms \['bogus'\]; this command can run \['ar', 'pld', 'chain', "
-                                         r"'tree', 'tree\+lookup', 'other-chain', 'other-tree'\]"):
+    with pytest.raises(SystemExit, match=r"unknown arms \['bogus'\]; the arms of this run are \['ar', 'pld', "
+                                         r"'chain', 'tree', 'tree\+lookup', 'other-chain', 'other-tree'\]"):
         main(["bench", "--arms", "ar,bogus", "--drafter", "other=someone/drafter", "--dtypes", "float32",
               "--threads", "1"])
+    with pytest.raises(SystemExit, match=r"unknown arms \['tree@bfloat16'\].* or in one as NAME@DTYPE"):
+        main(["bench", "--arms", "ar,tree@bfloat16", "--dtypes", "float32", "--threads", "1"])
+    with pytest.raises(SystemExit, match=r"runs nothing in \['bfloat16'\]: drop it from `--dtypes`"):
+        main(["bench", "--arms", "ar@float32,pld@float32", "--dtypes", "float32,bfloat16", "--threads", "1"])

@@ -21,7 +21,7 @@ _EXPORTS = {
                     "defaults"),
     **dict.fromkeys(["BenchPrompt", "default_prompts_path", "load_prompts", "stratified_selection",
                      "tokenize_prompts"], "prompts"),
-    **dict.fromkeys(["Arm", "Run", "build_arms", "configure_drafter", "run_arm"], "arms"),
+    **dict.fromkeys(["Arm", "Run", "build_arms", "configure_drafter", "run_arm", "select_arms"], "arms"),
     **dict.fromkeys(["classify_divergence", "explain_mismatch", "first_divergence"], "numerics"),
     **dict.fromkeys(["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "machine_info"], "machine"),
     **dict.fromkeys(["BenchJournal", "config_digest", "journal_header", "run_from_dict", "run_to_dict",

@@ -56,7 +56,8 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
     `tree_budget` override them). The
     default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `lookup` (the
     `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `dflash` adds the `dflash`
-    arm (the DFlash drafter named `"dflash"`). `only` keeps the arms of those names.
+    arm (the DFlash drafter named `"dflash"`). `only` keeps the arms it names (`select_arms`: `NAME` in every
+    dtype, `NAME@DTYPE` in one).
     """
     names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
                                                       ("pld", "pld", None, {"prompt_lookup_num_tokens": pld_tokens})]
@@ -74,13 +75,31 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
                                                           "tree_budget": budget, **lookup}))
     if dflash:
         names.append(("dflash", "dflash", "dflash", {}))
-    if only is not None:
-        known = [n[0] for n in names]
-        unknown = [o for o in only if o not in known]
-        if unknown:
-            raise ValueError(f"`--arms` names unknown arms {unknown}; the arms of this run are {known}.")
-        names = [n for n in names if n[0] in only]
-    return [Arm(name, kind, dtype, dname, dict(settings)) for dtype in dtypes for name, kind, dname, settings in names]
+    keep = select_arms(only, [n[0] for n in names], dtypes)
+    return [Arm(name, kind, dtype, dname, dict(settings)) for dtype in dtypes for name, kind, dname, settings in names
+            if (name, dtype) in keep]
+
+
+def select_arms(only: list[str] | None, names: list[str], dtypes: list[str]) -> set[tuple[str, str]]:
+    """The (arm name, dtype) pairs that `--arms` keeps: `NAME` keeps the arm in every dtype, `NAME@DTYPE` (an arm's
+    key, e.g. `ar@bfloat16`) in that dtype alone; `None` keeps every arm. A dtype left with no arm is refused (it
+    would load a target copy for nothing)."""
+    if only is None:
+        return {(n, dt) for n in names for dt in dtypes}
+    keep, unknown = set(), []
+    for entry in only:
+        name, at, dtype = entry.partition("@")
+        if name not in names or (at and dtype not in dtypes):
+            unknown.append(entry)
+        keep |= {(name, dt) for dt in ([dtype] if dtype else dtypes)}
+    if unknown:
+        raise ValueError(f"`--arms` names unknown arms {unknown}; the arms of this run are {names}, each in every "
+                         f"dtype of `--dtypes` ({','.join(dtypes)}) or in one as NAME@DTYPE (e.g. ar@{dtypes[-1]}).")
+    idle = [dt for dt in dtypes if not any(d == dt for _, d in keep)]
+    if idle:
+        raise ValueError(f"`--arms` {','.join(only)} runs nothing in {idle}: drop {'them' if len(idle) > 1 else 'it'} "
+                         f"from `--dtypes` or name an arm there (at least its `ar`, the baseline).")
+    return keep
 
 
 def configure_drafter(drafter, arm: Arm) -> None:
@@ -154,4 +173,4 @@ def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, d
     return Run(tokens, seconds, stats, counter.count if counter is not None else None)
 
 
-__all__ = ["Arm", "Run", "build_arms", "configure_drafter", "run_arm"]
+__all__ = ["Arm", "Run", "build_arms", "configure_drafter", "run_arm", "select_arms"]

@@ -87,7 +87,8 @@ def add_bench_parser(sub) -> None:
                    help="a DFlash drafter folder (`hf-chainflow train --drafter-type dflash`), run as the `dflash` arm "
                         "by stock transformers, in each target dtype (batch 1; not with --batch-sizes)")
     p.add_argument("--no-default-drafter", action="store_true", help="run no `chain`/`tree` arms of the default drafter")
-    p.add_argument("--arms", help="comma-separated arm names to run (default: all, e.g. ar,pld,chain,tree)")
+    p.add_argument("--arms", help="comma-separated arms to run: NAME in every dtype of --dtypes, NAME@DTYPE in one "
+                                    "(default: all; e.g. ar,pld,tree or ar@bfloat16,ar@float32,tree@float32)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
                    help="dtype of the drafters' weights (default float32)")
@@ -135,6 +136,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     table."""
     import torch
 
+    from hf_chainflow.bench.arms import select_arms
     from hf_chainflow.bench.machine import bf16_hardware_note
     from hf_chainflow.bench.report import markdown_table
     from hf_chainflow.bench.run import benchmark
@@ -168,20 +170,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if note is not None:
         print(note)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    only_names = None if only is None else {a.partition("@")[0] for a in only}  # NAME or NAME@DTYPE
     default_arms = {"chain", "tree", "tree+lookup"}
-    wants_default = not args.no_default_drafter and (only is None or bool(default_arms & set(only)))
+    wants_default = not args.no_default_drafter and (only is None or bool(default_arms & only_names))
     paths = {"chainflow": args.drafter_path or str(default_drafter_path())} if wants_default else {}
     paths.update(_parse_extra_drafters(args.drafter))
-    if args.no_default_drafter and only is not None and default_arms & set(only):
-        raise ValueError(f"`--arms` asks for {sorted(default_arms & set(only))}, arms of the default drafter, but "
+    if args.no_default_drafter and only is not None and default_arms & only_names:
+        raise ValueError(f"`--arms` asks for {sorted(default_arms & only_names)}, arms of the default drafter, but "
                          f"`--no-default-drafter` leaves it out; drop one of the two.")
     if only is not None:  # checked here, before loading: the drafters not asked for are not loaded at all
         possible = ["ar", "pld"] + ([] if args.no_default_drafter else sorted(default_arms)) + [
             f"{n}-{kind}" for n in paths if n != "chainflow" for kind in ("chain", "tree")] + (
             ["dflash"] if args.dflash else [])
-        unknown = [a for a in only if a not in possible]
-        if unknown:
-            raise ValueError(f"`--arms` names unknown arms {unknown}; this command can run {possible}.")
+        select_arms(only, possible, dtypes)
     for name, path in paths.items():
         if name != "chainflow" or args.drafter_path:
             check_model_source("--drafter-path" if name == "chainflow" else f"--drafter {name}=PATH", path)
