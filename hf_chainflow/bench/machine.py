@@ -37,7 +37,7 @@ def bf16_hardware_note(bf16_support: dict[str, bool | None] | None = None,
     return (f"note: this CPU has no native bfloat16 matrix instructions (no AMX, no AVX-512 BF16; torch reports "
             f"{capability}). Here a bfloat16 forward over several tokens costs several single-token steps, so "
             "speculative decoding in bfloat16 is expected to be slower than plain generation. Run it in float32: "
-            "the outputs are exact, several tokens cost less in proportion, and on such a CPU the shipped setting "
+            "the outputs are exact, several tokens cost less in proportion, and on one such CPU the shipped setting "
             "measured faster than the fastest plain generation (docs/results.md, \"A CPU without bfloat16 matrix "
             "instructions\").")
 
