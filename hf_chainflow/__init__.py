@@ -27,6 +27,7 @@ _EXPORTS = {
     "ChainFlowPreTrainedModel": "modeling_chainflow",
     "ChainFlowCandidateGenerator": "candidate_generator",
     "DraftTree": "tree",
+    "ContinuationTable": "corpus_lookup",
     "SpeculativeStats": "stats",
     "speculative_generate": "decoding",
     "ChainFlowTrainer": "trainer",

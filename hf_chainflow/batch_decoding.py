@@ -7,7 +7,7 @@ rows differ:
 
     1. prefill      the padded batch in one forward (its attention mask, positions counted from each row's start)
     2. draft        one drafter pass for every row still drafting (`drafter.draft_batch`), each row's draft cut to
-                    the room it has left; plus each row's prompt-lookup branch
+                    the room it has left; plus each row's prompt- and corpus-lookup branches
     3. verify       one target forward over every row's [root] + nodes (`verify_forward_batch`: each row sees its
                     own committed columns and its ancestors)
     4. accept       per row: greedy path matching or rejection sampling on its own processed logits
@@ -28,7 +28,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_verification import RaggedRows, commit_batch, select_rows, verify_forward_batch
-from .lookup import next_lookup_length, prompt_lookup
+from .lookup import next_lookup_length, round_branches
 from .settings import check_attention_mask
 from .stats import SpeculativeStats
 from .tree import DraftTree
@@ -104,38 +104,33 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
     if active and len(active) < B:
         select_rows(cache, rows, active)
     lookup_len = [settings.lookup_num_tokens] * B
+    table = drafter.continuation_table if settings.corpus_lookup_num_tokens is not None else None
 
     while active:
         # 2. Draft: one drafter pass for the rows that draft (never past a row's max_length).
         start = time.perf_counter()
-        trees, lookups, to_draft = {}, {}, []
+        trees, lookups, rooms, to_draft = {}, {}, {}, []
         for b in active:
             room = max_length - seqs[b].shape[0] - 1
-            lookup, ngram = None, 0
-            if room >= 1 and settings.lookup_num_tokens is not None:
-                lookup, ngram = prompt_lookup(seqs[b][pads[b]:], min(lookup_len[b], room), settings.lookup_ngram)
-            trusted = lookup is not None and settings.lookup_trust_ngram is not None and (
-                ngram >= settings.lookup_trust_ngram)
-            if lookup is not None and not trusted:  # merged into a tree: the base length keeps the verify narrow
-                lookup = lookup[: settings.lookup_num_tokens]
-            lookups[b] = (lookup, trusted, room)
+            branches = round_branches(seqs[b][pads[b]:], room, lookup_len[b], settings, table)
+            lookups[b], rooms[b] = branches, room
             if room < 1:
                 trees[b] = DraftTree.empty(input_ids.device)
-            elif trusted:
-                trees[b] = DraftTree.chain(lookup)
+            elif branches.trusted:
+                trees[b] = DraftTree.chain(branches.lookup)
             else:
                 to_draft.append(b)
-            if lookup is not None:
-                row_stats[b].lookup_rounds += 1
-                row_stats[b].lookup_only_rounds += int(trusted)
-                row_stats[b].longest_lookup = max(row_stats[b].longest_lookup, int(lookup.shape[0]))
+            row_stats[b].record_branches(branches)
         if to_draft:
             context, context_mask = _context([states[b] for b in to_draft])
             drafted = drafter.draft_batch(context, [seqs[b][pads[b]:] for b in to_draft], context_mask,
-                                          **settings.draft_kwargs(max(lookups[b][2] for b in to_draft)))
+                                          **settings.draft_kwargs(max(rooms[b] for b in to_draft)))
             for b, tree in zip(to_draft, drafted):
-                tree = _cut_to_depth(tree, lookups[b][2])
-                trees[b] = tree if lookups[b][0] is None else tree.with_chain(lookups[b][0])
+                tree = _cut_to_depth(tree, rooms[b])
+                trees[b] = tree if lookups[b].lookup is None else tree.with_chain(lookups[b].lookup)
+        for b in active:
+            if lookups[b].recalled is not None:
+                trees[b] = trees[b].with_chain(lookups[b].recalled)
         stats.draft_time += time.perf_counter() - start
 
         # 3. Verify: one target forward over every active row's [root] + nodes.
@@ -162,8 +157,7 @@ def batch_speculative_generate(model, input_ids, logits_processor, stopping_crit
                     break
             if streamer is not None:
                 streamer.put(seqs[b][-emitted:].cpu())
-            lookup, trusted, _ = lookups[b]
-            if trusted and settings.lookup_max_tokens is not None:
+            if lookups[b].trusted and settings.lookup_max_tokens is not None:
                 lookup_len[b] = next_lookup_length(lookup_len[b], len(acc.nodes), tree.num_nodes,
                                                    settings.lookup_num_tokens, settings.lookup_max_tokens)
             committed = acc.nodes[: emitted - 1]

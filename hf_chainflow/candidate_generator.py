@@ -41,12 +41,13 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
                  **kwargs):
         if settings is None:
             settings = SpeculativeSettings.from_drafter(drafter, generation_config)
-        if settings.mode != "chain" or settings.lookup_num_tokens is not None:
+        if settings.mode != "chain" or settings.has_lookup:
             raise ValueError(
                 f"`ChainFlowCandidateGenerator` drafts chains in transformers' assisted loop, but the drafter's "
                 f"generation config asks for draft_mode={settings.mode!r}, lookup_num_tokens="
-                f"{settings.lookup_num_tokens!r}. Call `target.generate(..., assistant_model=drafter)`, which runs "
-                f"trees and lookup branches in hf_chainflow's own loop."
+                f"{settings.lookup_num_tokens!r}, corpus_lookup_num_tokens={settings.corpus_lookup_num_tokens!r}. "
+                f"Call `target.generate(..., assistant_model=drafter)`, which runs trees and lookup branches in "
+                f"hf_chainflow's own loop."
             )
         self.drafter = drafter
         self.settings = settings

@@ -64,6 +64,13 @@ class ChainFlowConfig(PreTrainedConfig):
         fresh drafter starts as the final-states-only one. The flow source and the VAE still read the final states.
         The drafter's context states are then `(..., (1 + n) * D)`: the final state, then each layer's output.
         `None` (default): the final states only.
+    continuation_table_size (`int`): entries of the drafter's corpus-lookup table (`hf_chainflow.corpus_lookup`:
+        the target's most frequent next token after each n-gram of its responses), saved as the buffers
+        `continuation_keys` / `continuation_next_tokens`; 0 (default): no table. Set by
+        [`~ChainFlowDrafter.set_continuation_table`].
+    continuation_min_ngram / continuation_max_ngram (`int`): the n-gram lengths the table holds (2 and 4 by
+        default; written by `set_continuation_table`); with a table, `continuation_max_ngram` times the bits of a
+        token id must fit in 64.
     serving_head_dtype (`str`): dtype of the candidate-head products while drafting, `"bfloat16"` (default) or
         `"float32"`; training always uses the drafter's dtype. It changes what may be proposed, never the output.
     initializer_range (`float`): std of the normal initialiser.
@@ -104,6 +111,9 @@ class ChainFlowConfig(PreTrainedConfig):
     bonus_embedding: bool = False
     target_layer_ids: list[int] | None = None
     serving_head_dtype: str = "bfloat16"
+    continuation_table_size: int = 0
+    continuation_min_ngram: int = 2
+    continuation_max_ngram: int = 4
     initializer_range: float = 0.02
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
@@ -129,6 +139,15 @@ class ChainFlowConfig(PreTrainedConfig):
                      "ffn_multiplier", "flow_hidden_size", "num_flow_steps", "train_flow_steps", "path_order",
                      "path_hidden_size", "markov_rank", "candidate_budget", "tree_branching"):
             _positive(name, getattr(self, name))
+        size = self.continuation_table_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"`continuation_table_size` must be a non-negative integer (0: no corpus-lookup table), "
+                             f"got {size!r}.")
+        if size:
+            from .corpus_lookup import check_table_shape
+
+            check_table_shape(self.vocab_size, self.continuation_min_ngram, self.continuation_max_ngram,
+                              prefix="continuation_")
         _choice("source", self.source, SOURCES)
         _choice("feedback", self.feedback, FEEDBACK)
         _choice("attention", self.attention, ATTENTION)

@@ -8,7 +8,7 @@ It is reached through `target.generate(..., assistant_model=drafter)` when the d
 transformers prepares inputs, the cache, logits processors and stopping criteria; the loop then runs:
 
     1. prefill      the prompt in one forward -> first token (the root of round 1), committed states
-    2. draft        one drafter pass -> a chain or a tree (+ an optional prompt-lookup branch)
+    2. draft        one drafter pass -> a chain or a tree (+ optional prompt- and corpus-lookup branches)
     3. verify       one target forward over [root] + draft nodes (ancestor mask, depth positions)
     4. accept       greedy path matching / rejection sampling on processed logits: a sampled chain against its
                     draft distribution q, any other draft (a tree, a lookup branch) child by child as fixed proposals
@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_decoding import batch_speculative_generate
-from .lookup import next_lookup_length, prompt_lookup
+from .lookup import next_lookup_length, round_branches
 from .settings import SpeculativeSettings, validate_speculative_call
 from .stats import SpeculativeStats
 from .tree import DraftTree
@@ -59,7 +59,8 @@ def speculative_generate(
         drafter: a `ChainFlowDrafter` bound to `model` (`generate` binds an unbound one), or an `OracleDrafter`;
             drafting settings come from `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`,
             `tree_width`, `tree_depth`, `tree_budget`, `num_flow_steps`, and the prompt-lookup branch
-            `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`).
+            `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.lookup`;
+            the corpus-lookup branch `corpus_lookup_num_tokens`: see `hf_chainflow.corpus_lookup`).
         chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
         chainflow_settings: the call's drafting settings, read and checked by hf_chainflow's `generate` with the
@@ -118,17 +119,13 @@ def speculative_generate(
     done = stop_now(ids)
 
     lookup_len = settings.lookup_num_tokens  # grows on fully accepted trusted branches (`lookup_max_tokens`)
+    table = drafter.continuation_table if settings.corpus_lookup_num_tokens is not None else None
     while not done:
         # 2. Draft (never past max_length: a round adds accepted + 1 tokens).
         start = time.perf_counter()
         room = max_length - ids.shape[1] - 1
-        lookup, ngram = None, 0
-        if room >= 1 and settings.lookup_num_tokens is not None:
-            lookup, ngram = prompt_lookup(ids[0], min(lookup_len, room), settings.lookup_ngram)
-        trusted = lookup is not None and settings.lookup_trust_ngram is not None and (
-            ngram >= settings.lookup_trust_ngram)
-        if lookup is not None and not trusted:  # merged into a tree: the base length keeps the verify narrow
-            lookup = lookup[: settings.lookup_num_tokens]
+        branches = round_branches(ids[0], room, lookup_len, settings, table)
+        lookup, trusted = branches.lookup, branches.trusted
         if room < 1:
             tree = DraftTree.empty(ids.device)
         elif trusted:  # a long match: verify the looked-up branch alone, no drafter pass
@@ -137,10 +134,9 @@ def speculative_generate(
             tree = drafter.draft(states, ids, **settings.draft_kwargs(room))
             if lookup is not None:
                 tree = tree.with_chain(lookup)
-        if lookup is not None:
-            stats.lookup_rounds += 1
-            stats.lookup_only_rounds += int(trusted)
-            stats.longest_lookup = max(stats.longest_lookup, int(lookup.shape[0]))
+        if branches.recalled is not None:
+            tree = tree.with_chain(branches.recalled)
+        stats.record_branches(branches)
         stats.draft_time += time.perf_counter() - start
 
         # 3. Verify: one target forward over [root] + nodes.

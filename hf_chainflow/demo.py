@@ -47,6 +47,9 @@ def describe_settings(g) -> str:
             text += f" + prompt-lookup branch of {k} (alone on {trust}-gram matches{grows})"
         else:
             text += f" + prompt-lookup branch of {k}"
+    corpus = getattr(g, "corpus_lookup_num_tokens", None)
+    if corpus:
+        text += f" + corpus-lookup branch of {corpus}"
     return text
 
 

@@ -20,6 +20,8 @@ with `do_sample=True` the branch is accepted child by child as a fixed proposal 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .settings import lookup_settings  # noqa: F401  (the rules of the `lookup_*` fields; `hf_chainflow.bench` reads
@@ -57,3 +59,33 @@ def next_lookup_length(current: int, held: int, verified: int, base: int, longes
     """
     grown = 2 * current if held == verified else held + 1
     return max(base, min(grown, longest))
+
+
+@dataclass(frozen=True)
+class RoundBranches:
+    """The looked-up branches of one round: `lookup` (prompt lookup, `(k,)` or None), `trusted` (verify `lookup`
+    alone, without a drafter pass) and `recalled` (corpus lookup, `hf_chainflow.corpus_lookup`, or None)."""
+
+    lookup: torch.LongTensor | None = None
+    trusted: bool = False
+    recalled: torch.LongTensor | None = None
+
+
+def round_branches(committed: torch.LongTensor, room: int, lookup_len: int | None, settings,
+                   table=None) -> RoundBranches:
+    """The branches a round adds to its draft, for the committed tokens `committed` `(L,)` of one row with `room`
+    tokens left before `max_length`. `settings` is the call's `SpeculativeSettings` (`lookup_*`,
+    `corpus_lookup_*`), `lookup_len` the current prompt-lookup length (it grows with `lookup_max_tokens`), `table`
+    the drafter's `ContinuationTable` (read when `corpus_lookup_num_tokens` is set)."""
+    if room < 1:
+        return RoundBranches()
+    lookup, ngram = None, 0
+    if settings.lookup_num_tokens is not None:
+        lookup, ngram = prompt_lookup(committed, min(lookup_len, room), settings.lookup_ngram)
+    trusted = lookup is not None and settings.lookup_trust_ngram is not None and ngram >= settings.lookup_trust_ngram
+    if lookup is not None and not trusted:  # merged into a tree: the base length keeps the verify narrow
+        lookup = lookup[: settings.lookup_num_tokens]
+    recalled = None
+    if settings.corpus_lookup_num_tokens is not None:  # every round, beside a drafted tree or a trusted branch
+        recalled = table.propose(committed, min(settings.corpus_lookup_num_tokens, room))
+    return RoundBranches(lookup, trusted, recalled)

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, PreTrainedMode
 from transformers.utils import ModelOutput
 
 from .configuration_chainflow import ChainFlowConfig
+from .corpus_lookup import ContinuationTable
 from .drafting_round import CompiledDraftingRound, drafting_round
 from .packed_linear import PackedLinear
 from .search import DraftBatch, ServingTables, candidate_search, committed_tails, search_levels
@@ -480,6 +481,13 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         # Per-dimension statistics of the target's states (set from the training data; saved).
         self.register_buffer("state_mean", torch.zeros(config.target_hidden_size))
         self.register_buffer("state_std", torch.ones(config.target_hidden_size))
+        # The corpus-lookup table (`hf_chainflow.corpus_lookup`; saved; only with one, so that drafters without a
+        # table load as before): sorted packed n-grams (E,) and the token that followed each most often (E,).
+        E = config.continuation_table_size
+        if E:
+            self.register_buffer("continuation_keys", torch.zeros(E, dtype=torch.int64))
+            self.register_buffer("continuation_next_tokens", torch.zeros(E, dtype=torch.int32))
+        self._continuation_table = None
         self._bound: dict = {}
         self.generation_config = GenerationConfig(
             num_assistant_tokens=3,
@@ -595,6 +603,49 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 "This ChainFlowDrafter is not bound to a target: call `drafter.bind_target(target)` or load it with "
                 "`ChainFlowDrafter.from_pretrained(path, target=target)` before drafting or training."
             )
+
+    # ------------------------------------------------------------------ corpus lookup
+    @property
+    def continuation_table(self) -> ContinuationTable | None:
+        """The corpus-lookup table saved with this drafter (`hf_chainflow.corpus_lookup`), or None without one."""
+        if not self.config.continuation_table_size:
+            return None
+        cached = self._continuation_table  # (the buffer it was read from, the table): once per loaded/moved buffer
+        if cached is None or cached[0] is not self.continuation_keys:
+            table = ContinuationTable(self.continuation_keys.cpu(), self.continuation_next_tokens.cpu(),
+                                      vocab_size=self.config.vocab_size,
+                                      min_ngram=self.config.continuation_min_ngram,
+                                      max_ngram=self.config.continuation_max_ngram)
+            cached = self._continuation_table = (self.continuation_keys, table)
+        return cached[1]
+
+    def set_continuation_table(self, table: ContinuationTable | None) -> "ChainFlowDrafter":
+        """Keep `table` (a `ContinuationTable` of this drafter's target's responses; None removes it) in this
+        drafter: its buffers and sizes are saved by `save_pretrained` and loaded by `from_pretrained`. Turn the
+        branch on with `drafter.generation_config.corpus_lookup_num_tokens`."""
+        if table is not None:
+            if not isinstance(table, ContinuationTable):
+                raise ValueError(f"`table` must be a `hf_chainflow.ContinuationTable` or None, got "
+                                 f"{type(table).__name__}.")
+            if table.vocab_size != self.config.vocab_size:
+                raise ValueError(f"`table` was built for a {table.vocab_size}-token vocabulary, but this drafter's "
+                                 f"target has {self.config.vocab_size}; build it from this target's responses.")
+            if len(table) == 0:
+                raise ValueError("`table` is empty (no n-gram was seen `min_count` times); build it from more "
+                                 "responses or with a smaller `min_count`, or pass None to remove the table.")
+        for name in ("continuation_keys", "continuation_next_tokens"):
+            self._buffers.pop(name, None)
+        self._continuation_table = None
+        if table is None:
+            self.config.continuation_table_size = 0
+            self.config.continuation_min_ngram, self.config.continuation_max_ngram = 2, 4
+            return self
+        device = self.state_mean.device
+        self.register_buffer("continuation_keys", table.keys.to(device))
+        self.register_buffer("continuation_next_tokens", table.next_tokens.to(device=device, dtype=torch.int32))
+        self.config.continuation_table_size = len(table)
+        self.config.continuation_min_ngram, self.config.continuation_max_ngram = table.min_ngram, table.max_ngram
+        return self
 
     # ------------------------------------------------------------------ growing a trained drafter
     def _check_resize(self, method: str, head: nn.Module | None, what: str, arg: str, value, field: str,
@@ -1243,7 +1294,8 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                                   download_kwargs)
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = kwargs.pop("torch_dtype", None) or torch.float32
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if kwargs.get("output_loading_info") else loaded  # (model, loading info) as transformers
         # transformers loads a generation config only for `GenerationMixin` models (`adjust_generation_fn`).
         if pretrained_model_name_or_path is not None:
             try:
@@ -1253,7 +1305,7 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
                 pass
         if target is not None:
             model.bind_target(target)
-        return model
+        return loaded
 
     @staticmethod
     def _check_model_type(source, name: str, download_kwargs: dict) -> None:

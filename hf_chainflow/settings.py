@@ -5,7 +5,8 @@
   `hf_chainflow.search.candidate_search` take it.
 - `SpeculativeSettings`: what a `generate(assistant_model=drafter)` call drafts with, read from
   `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`, `tree_budget`,
-  `num_flow_steps`, the prompt-lookup branch `lookup_*`) and the call's sampling. Built once per call
+  `num_flow_steps`, the prompt-lookup branch `lookup_*`, the corpus-lookup branch `corpus_lookup_*`) and the
+  call's sampling. Built once per call
   (`SpeculativeSettings.from_drafter`) and used by both loops: transformers' assisted loop
   (`ChainFlowCandidateGenerator`) and hf_chainflow's own (`speculative_generate`).
 - `validate_speculative_call`: every check of a ChainFlow `generate` call (target, batch, beams, caches, attention,
@@ -164,6 +165,7 @@ class SpeculativeSettings:
     lookup_ngram: int = 3
     lookup_trust_ngram: int | None = None
     lookup_max_tokens: int | None = None
+    corpus_lookup_num_tokens: int | None = None
     do_sample: bool = False
     temperature: float = 1.0
     max_depth: int | None = None
@@ -177,6 +179,10 @@ class SpeculativeSettings:
             raise ValueError(f"`{_CONFIG}max_speculative_batch_size` must be None (draft at every batch size) or a "
                              f"positive integer (a larger batch decodes without drafting), got {limit!r}.")
         lookup_settings(self)
+        corpus = self.corpus_lookup_num_tokens
+        if corpus is not None and (not _is_int(corpus) or corpus < 1):
+            raise ValueError(f"`{_CONFIG}corpus_lookup_num_tokens` must be a positive integer or None (off), got "
+                             f"{corpus!r}.")
         check_num_flow_steps(self.num_flow_steps, f"{_CONFIG}num_flow_steps")
         for name, value in (("num_assistant_tokens", self.num_tokens), ("tree_depth", self.tree_depth),
                             ("tree_width", self.tree_width)):
@@ -214,11 +220,19 @@ class SpeculativeSettings:
                 f"a draft on its own confidence. Set it to None (a tree with `tree_budget` keeps the drafter's most "
                 f"probable nodes instead)."
             )
+        corpus = getattr(g, "corpus_lookup_num_tokens", None)
+        if corpus is not None and getattr(drafter, "continuation_table", None) is None:
+            raise ValueError(
+                f"`{_CONFIG}corpus_lookup_num_tokens` is {corpus!r}, but this drafter holds no corpus-lookup table. "
+                f"Add one (`hf-chainflow corpus-lookup --drafter DIR --corpus CORPUS`, or "
+                f"`drafter.set_continuation_table(ContinuationTable.build(...))`) or set it to None."
+            )
         do_sample = bool(generation_config is not None and generation_config.do_sample)
         return cls(mode=getattr(g, "draft_mode", "chain"), num_tokens=g.num_assistant_tokens,
                    tree_width=getattr(g, "tree_width", 8), tree_depth=getattr(g, "tree_depth", 4),
                    tree_budget=getattr(g, "tree_budget", None), num_flow_steps=getattr(g, "num_flow_steps", None),
                    **lookup_settings(g), do_sample=do_sample,
+                   corpus_lookup_num_tokens=getattr(g, "corpus_lookup_num_tokens", None),
                    temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
                    max_depth=drafter.max_draft_depth,
                    max_batch_size=getattr(g, "max_speculative_batch_size", None))
@@ -226,9 +240,14 @@ class SpeculativeSettings:
     @property
     def sample_drafts(self) -> bool:
         """Whether the drafter samples its draft from `q`: plain chains only (accepted with `min(1, p/q)`). Trees and
-        lookup branches are drafted greedily and accepted child by child (`accept_sampling_tree`), which needs no
+        lookup branches (prompt or corpus) are drafted greedily and accepted child by child (`accept_sampling_tree`), which needs no
         `q`."""
-        return self.do_sample and self.mode == "chain" and self.lookup_num_tokens is None
+        return self.do_sample and self.mode == "chain" and not self.has_lookup
+
+    @property
+    def has_lookup(self) -> bool:
+        """Whether rounds may add looked-up branches (prompt lookup or corpus lookup) to the draft."""
+        return self.lookup_num_tokens is not None or self.corpus_lookup_num_tokens is not None
 
     def draft_kwargs(self, room: int) -> dict:
         """The arguments of `drafter.draft` for a round with `room >= 1` tokens left before `max_length` (a round
@@ -240,9 +259,9 @@ class SpeculativeSettings:
 
     def needs_own_loop(self, model, generation_config, stopping_criteria) -> bool:
         """Whether the call runs in hf_chainflow's own loop (`speculative_generate`) rather than transformers'
-        assisted loop: trees, a lookup branch, stateful targets, stop strings and custom stopping criteria (a
+        assisted loop: trees, a lookup branch (prompt or corpus), stateful targets, stop strings and custom stopping criteria (a
         multi-token commit in transformers' loop could overshoot them)."""
-        return (self.mode == "tree" or self.lookup_num_tokens is not None or is_stateful_target(model)
+        return (self.mode == "tree" or self.has_lookup or is_stateful_target(model)
                 or generation_config.stop_strings is not None or bool(stopping_criteria))
 
     def replace(self, **changes) -> "SpeculativeSettings":

@@ -18,6 +18,7 @@ class SpeculativeStats:
         prefill_time: seconds of the prompt forward.
         lookup_rounds / lookup_only_rounds: rounds with a prompt-lookup branch / verified on that branch alone.
         longest_lookup: the longest looked-up branch verified (it grows with `lookup_max_tokens`).
+        corpus_lookup_rounds: rounds with a corpus-lookup branch (`hf_chainflow.corpus_lookup`).
         batch_size: rows in the call. rows: per-row statistics of a batched call (one `SpeculativeStats` per row,
             in input order; empty for a single unpadded prompt); this object then pools them: `accepted` and
             `drafted_depth` hold every row's rounds, so `tau` is the tokens a row commits per round.
@@ -37,6 +38,7 @@ class SpeculativeStats:
     lookup_rounds: int = 0
     lookup_only_rounds: int = 0
     longest_lookup: int = 0
+    corpus_lookup_rounds: int = 0
     batch_size: int = 1
     rows: list["SpeculativeStats"] = field(default_factory=list)
     forwards: int = 0
@@ -54,6 +56,7 @@ class SpeculativeStats:
             out.lookup_rounds += r.lookup_rounds
             out.lookup_only_rounds += r.lookup_only_rounds
             out.longest_lookup = max(out.longest_lookup, r.longest_lookup)
+            out.corpus_lookup_rounds += r.corpus_lookup_rounds
         return out
 
     @property
@@ -74,6 +77,14 @@ class SpeculativeStats:
             out.append(sum(a > d for a in tried) / len(tried) if tried else 0.0)
         return out
 
+    def record_branches(self, branches) -> None:
+        """Count a round's looked-up branches (`hf_chainflow.lookup.RoundBranches`)."""
+        if branches.lookup is not None:
+            self.lookup_rounds += 1
+            self.lookup_only_rounds += int(branches.trusted)
+            self.longest_lookup = max(self.longest_lookup, int(branches.lookup.shape[0]))
+        self.corpus_lookup_rounds += int(branches.recalled is not None)
+
     def record_round(self, accepted: int, depth: int) -> None:
         if not 0 <= int(accepted) <= int(depth):
             raise ValueError(f"A round accepts between 0 and its drafted depth; got accepted={accepted}, "
@@ -88,6 +99,7 @@ class SpeculativeStats:
             "draft_time": self.draft_time, "verify_time": self.verify_time, "prefill_time": self.prefill_time,
             "new_tokens": self.new_tokens, "lookup_rounds": self.lookup_rounds,
             "lookup_only_rounds": self.lookup_only_rounds, "longest_lookup": self.longest_lookup,
+            "corpus_lookup_rounds": self.corpus_lookup_rounds,
             "batch_size": self.batch_size, "forwards": self.forwards, "speculative": self.speculative,
             "reason": self.reason, "rows": [r.to_dict() for r in self.rows],
         }

@@ -474,6 +474,8 @@ def test_describe_settings_names_every_drafting_knob():
     assert describe_settings(g).endswith("branch of 10 (alone on 2-gram matches)")
     g.draft_mode, g.num_assistant_tokens, g.lookup_num_tokens = "chain", 3, None
     assert describe_settings(g) == "chain of 3"
+    g.corpus_lookup_num_tokens = 6
+    assert describe_settings(g) == "chain of 3 + corpus-lookup branch of 6"
 
 
 def _record(pid, domain, **arms):

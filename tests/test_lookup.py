@@ -122,7 +122,7 @@ def test_lookup_refusals():
 def test_trusted_branches_grow_in_the_loop_while_accepted_whole(monkeypatch, longest):
     """With a lookup that always proposes the target's own continuation, every trusted branch is accepted whole:
     the branch doubles 4 -> 8 -> 16 with `lookup_max_tokens=16`, and stays at 4 without it; output unchanged."""
-    import hf_chainflow.decoding as decoding
+    import hf_chainflow.lookup as lookup
 
     target = tiny_target("llama")
     prompt = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(2))
@@ -132,7 +132,7 @@ def test_trusted_branches_grow_in_the_loop_while_accepted_whole(monkeypatch, lon
         tokens = ref[0, committed.shape[0]: committed.shape[0] + num_tokens]
         return (tokens, max_ngram) if tokens.numel() else (None, 0)
 
-    monkeypatch.setattr(decoding, "prompt_lookup", oracle_lookup)
+    monkeypatch.setattr(lookup, "prompt_lookup", oracle_lookup)  # what `round_branches` calls
     drafter = OracleDrafter(target)
     g = drafter.generation_config
     g.draft_mode, g.lookup_num_tokens, g.lookup_trust_ngram, g.lookup_max_tokens = "tree", 4, 2, longest

@@ -107,7 +107,7 @@ def configure_drafter(drafter, arm: Arm) -> None:
     g = drafter.generation_config
     g.draft_mode = arm.kind
     # Arms share a drafter: the lookup branch only where an arm asks for it.
-    g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = None
+    g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = g.corpus_lookup_num_tokens = None
     for k, v in arm.settings.items():
         setattr(g, k, v)
 

@@ -295,7 +295,7 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     `partial`). Returns the results and the written files (`write_results`).
 
     `lookup` (the `lookup_*` generation-config fields) adds the `tree+lookup` arm; without it the default drafter's
-    own `lookup_num_tokens` does, when set. `chain`, `tree`, `tree_budget` override the drafters' generation configs;
+    own `lookup_num_tokens` does, when set (with its `corpus_lookup_num_tokens`, when set). `chain`, `tree`, `tree_budget` override the drafters' generation configs;
     `only` keeps the arms of those names (`build_arms`). `compile_drafting` sets every drafter's
     `generation_config.compile_drafting` (`None`: keep each drafter's own); compiled rounds are warmed up for every
     arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`). With
@@ -335,6 +335,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
             lookup = {"lookup_num_tokens": g.lookup_num_tokens,
                       "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
                       "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
+            if getattr(g, "corpus_lookup_num_tokens", None) is not None:  # a drafter with a corpus-lookup table
+                lookup["corpus_lookup_num_tokens"] = g.corpus_lookup_num_tokens
     arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=pld_tokens,
                       chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only,
                       dflash=dflash is not None)

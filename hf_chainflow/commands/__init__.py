@@ -5,12 +5,14 @@
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
     hf-chainflow train --data DIR --out DRAFTER                    # train a drafter
     hf-chainflow eval-offline --drafter DRAFTER --data DIR         # offline acceptance length tau
+    hf-chainflow corpus-lookup --drafter D --corpus C --out D2    # add a corpus-lookup table to a drafter
     hf-chainflow bench --limit 16                                  # wall-clock speedup of ar/pld/chain/tree arms
     hf-chainflow demo                                              # stream speculative generations
 
-One module per subcommand (`generate_responses.py`, `prepare.py`, `train.py`, `eval_offline.py`, `bench.py`,
-`demo.py`), each holding its argument parsing (`add_<name>_parser`) and one `run_<name>` that checks the options
-and calls the library; torch is imported there, when the subcommand runs, not when the parser is built.
+One module per subcommand (`generate_responses.py`, `prepare.py`, `train.py`, `eval_offline.py`,
+`corpus_lookup.py`, `bench.py`, `demo.py`), each holding its argument parsing (`add_<name>_parser`) and one
+`run_<name>` that checks the options and calls the library; torch is imported there, when the subcommand runs, not
+when the parser is built.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import os
 
 from hf_chainflow.commands.bench import add_bench_parser
+from hf_chainflow.commands.corpus_lookup import add_corpus_lookup_parser
 from hf_chainflow.commands.demo import add_demo_parser
 from hf_chainflow.commands.eval_offline import add_eval_offline_parser
 from hf_chainflow.commands.generate_responses import add_generate_responses_parser
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_parser(sub)
     add_train_parser(sub)
     add_eval_offline_parser(sub)
+    add_corpus_lookup_parser(sub)
     add_bench_parser(sub)
     add_demo_parser(sub)
     return parser

@@ -1,0 +1,86 @@
+"""Tuning experiment (not a test): does a corpus-lookup branch (`hf_chainflow.corpus_lookup`) pay beside the shipped
+`tree+lookup` setting, and in which rounds?
+
+One bench run (`hf_chainflow.bench.run_bench`: arms interleaved prompt by prompt, outputs checked against plain
+generation) in one dtype: plain generation, prompt lookup, the shipped drafter's `tree+lookup` setting, and the same
+with a branch of up to K tokens read from a continuation table of the corpus's training responses (each K given;
+`BUDGET:K` also cuts the tree to BUDGET nodes). Use prompts whose responses are not in
+the table (the corpus's held-out prompts), not the evaluation set:
+
+    python docs/research/scripts/tune_corpus_lookup.py --prompts heldout_prompts.jsonl --limit 40 \
+        --dtype float32 --variants 6,8:6 --out runs/tune-corpus-lookup
+
+Writes the bench's results.json / results.md / plots to --out.
+"""
+
+import argparse
+import time
+
+import torch
+
+from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.bench import (Arm, build_arms, load_prompts, run_bench, stratified_selection, tokenize_prompts,
+                                warm_up_arms, write_results)
+from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.corpus import ResponseCorpus
+from hf_chainflow.corpus_lookup import ContinuationTable
+from hf_chainflow.targets import load_model_and_tokenizer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", required=True, help="JSONL with id, domain, prompt (held-out prompts)")
+    parser.add_argument("--corpus", default="corpus/smollm2-135m-instruct", help="the corpus whose train split "
+                        "fills the table")
+    parser.add_argument("--limit", type=int, help="that many prompts, round-robin over domains (default: all)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
+    parser.add_argument("--variants", default="10", help="comma-separated [BUDGET:]K: branch length K, the tree "
+                        "cut to BUDGET nodes")
+    parser.add_argument("--prompt-tail", type=int, default=4, help="prompt tokens kept before each response")
+    parser.add_argument("--min-count", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct", getattr(torch, args.dtype))
+    drafter = ChainFlowDrafter.from_pretrained(str(default_drafter_path()), target=model).eval()
+    start = time.perf_counter()
+    rows = ResponseCorpus(args.corpus).table("train", ["prompt_ids", "response_ids"]).to_pylist()
+    drafter.set_continuation_table(ContinuationTable.build(
+        (r["prompt_ids"][-args.prompt_tail:] + r["response_ids"] for r in rows), vocab_size=model.config.vocab_size,
+        min_count=args.min_count))
+    print(f"table: {len(drafter.continuation_table):,} n-grams from {len(rows):,} responses in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+    g = drafter.generation_config
+    tree_lookup = {"tree_width": g.tree_width, "tree_depth": g.tree_depth, "tree_budget": g.tree_budget,
+                   "lookup_num_tokens": g.lookup_num_tokens, "lookup_trust_ngram": g.lookup_trust_ngram,
+                   "lookup_max_tokens": g.lookup_max_tokens}
+    arms = build_arms([args.dtype], {}, only=["ar", "pld"])
+    arms.append(Arm("tree+lookup", "tree", args.dtype, "chainflow", dict(tree_lookup)))
+    for v in args.variants.split(","):
+        budget, _, k = v.rpartition(":")  # [BUDGET:]K
+        arms.append(Arm(f"tree{budget}+lookup+corpus{k}", "tree", args.dtype, "chainflow",
+                        {**tree_lookup, "tree_budget": int(budget) if budget else g.tree_budget,
+                         "corpus_lookup_num_tokens": int(k)}))
+    drafters = {"chainflow": {args.dtype: drafter}}
+    drafting = warm_up_arms(arms, drafters, True)
+
+    prompts = load_prompts(args.prompts)
+    chosen = stratified_selection(prompts, args.limit)
+    warm = next((r for r in prompts if r not in chosen), chosen[0])
+    results = run_bench({args.dtype: model}, tokenize_prompts(tokenizer, chosen), arms, drafters,
+                        max_new_tokens=args.max_new_tokens, warmup=tokenize_prompts(tokenizer, [warm])[0],
+                        eos_token_id=model.generation_config.eos_token_id,
+                        pad_token_id=model.generation_config.pad_token_id, decode=tokenizer.decode,
+                        settings={"prompts": args.prompts, "variants": args.variants, "drafting": drafting,
+                                  "prompt_tail": args.prompt_tail, "min_count": args.min_count,
+                                  "threads": torch.get_num_threads()})
+    write_results(results, args.out)
+    for key, arm in results["arms"].items():
+        print(f"{key:32s} {arm['speedup']:.2f}x  tau {arm['tau']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
