@@ -168,25 +168,4 @@ def table_from_corpus(corpus, *, split: str = "train", prompt_tail: int = 4, min
                                    min_count=min_count)
 
 
-def add_corpus_lookup(drafter, corpus, out, *, num_tokens: int = 6, **table_kwargs) -> ContinuationTable:
-    """What `hf-chainflow corpus-lookup` does: load the drafter saved at `drafter` (a folder or Hub id) in its stored
-    dtype, give it the table of `corpus` (`table_from_corpus(corpus, **table_kwargs)`), turn the branch on
-    (`generation_config.corpus_lookup_num_tokens = num_tokens`) and save it to `out`. Returns the table."""
-    from .modeling_chainflow import ChainFlowDrafter
-
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-        raise ValueError(f"`num_tokens` must be a positive integer (the longest corpus-lookup branch), got "
-                         f"{num_tokens!r}.")
-    table = table_from_corpus(corpus, **table_kwargs)  # before the drafter loads: a bad corpus fails first
-    model = ChainFlowDrafter.from_pretrained(drafter, dtype="auto")
-    if model.config.vocab_size != table.vocab_size:
-        raise ValueError(f"The corpus {str(corpus)!r} holds a {table.vocab_size}-token vocabulary, but the drafter "
-                         f"{str(drafter)!r} drafts for {model.config.vocab_size} tokens; use the corpus of its target.")
-    model.set_continuation_table(table)
-    model.generation_config.corpus_lookup_num_tokens = num_tokens
-    model.save_pretrained(out)
-    return table
-
-
-__all__ = ["ContinuationTable", "add_corpus_lookup", "check_table_shape", "pack_ngrams", "table_from_corpus",
-           "token_bits"]
+__all__ = ["ContinuationTable", "check_table_shape", "pack_ngrams", "table_from_corpus", "token_bits"]

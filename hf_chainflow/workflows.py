@@ -1,6 +1,7 @@
-"""The work behind `hf-chainflow train` and `hf-chainflow eval-offline`, callable from Python: load the target, build
-or load the drafter, the windows of a prepared data directory, then train (`train_drafter`) or measure offline
-acceptance (`evaluate_drafter`). The commands (`hf_chainflow.commands`) parse and check the options and call these.
+"""The work behind `hf-chainflow train`, `eval-offline` and `corpus-lookup`, callable from Python: load the target,
+build or load the drafter, the windows of a prepared data directory, then train (`train_drafter`), measure offline
+acceptance (`evaluate_drafter`) or give a saved drafter a corpus-lookup table (`add_corpus_lookup`). The commands
+(`hf_chainflow.commands`) parse and check the options and call these.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import ConcatDataset
 
 from .cli_args import usage_error
+from .corpus_lookup import ContinuationTable, table_from_corpus
 
 
 def window_dataset(data_dir, config, **kwargs):
@@ -191,5 +193,26 @@ def evaluate_drafter(drafter: str, data: str, *, target: str = "smollm2-135m-ins
     return result
 
 
-__all__ = ["evaluate_drafter", "run_training", "throughput_summary", "train_drafter", "vae_pretrain_summary",
-           "window_dataset"]
+def add_corpus_lookup(drafter, corpus, out, *, num_tokens: int = 6, **table_kwargs) -> ContinuationTable:
+    """What `hf-chainflow corpus-lookup` does: load the drafter saved at `drafter` (a folder or Hub id) in its stored
+    dtype, give it the table of `corpus` (`table_from_corpus(corpus, **table_kwargs)`), turn the branch on
+    (`generation_config.corpus_lookup_num_tokens = num_tokens`) and save it to `out`. Returns the table."""
+    from .modeling_chainflow import ChainFlowDrafter
+
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+        raise ValueError(f"`num_tokens` must be a positive integer (the longest corpus-lookup branch), got "
+                         f"{num_tokens!r}.")
+    table = table_from_corpus(corpus, **table_kwargs)  # before the drafter loads: a bad corpus fails first
+    model = ChainFlowDrafter.from_pretrained(drafter, dtype="auto")
+    if model.config.vocab_size != table.vocab_size:
+        raise ValueError(f"The corpus {str(corpus)!r} holds a {table.vocab_size}-token vocabulary, but the drafter "
+                         f"{str(drafter)!r} drafts for {model.config.vocab_size} tokens; use the corpus of its target.")
+    model.set_continuation_table(table)
+    model.generation_config.corpus_lookup_num_tokens = num_tokens
+    model.save_pretrained(out)
+    return table
+
+
+__all__ = ["add_corpus_lookup", "evaluate_drafter", "run_training", "throughput_summary", "train_drafter",
+           "vae_pretrain_summary", "window_dataset"]
+

@@ -19,8 +19,8 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(["BASE_ARMS", "DEFAULT_OUTPUT_DIR", "DEFAULT_TIE_TOLERANCE", "DTYPE_NAMES", "JOURNAL_NAME"],
                     "defaults"),
-    **dict.fromkeys(["BenchPrompt", "default_prompts_path", "load_prompts", "stratified_selection",
-                     "tokenize_prompts"], "prompts"),
+    **dict.fromkeys(["BenchPrompt", "choose_prompts", "default_prompts_path", "load_prompts",
+                     "stratified_selection", "tokenize_prompts"], "prompts"),
     **dict.fromkeys(["Arm", "Run", "build_arms", "configure_drafter", "run_arm", "select_arms"], "arms"),
     **dict.fromkeys(["classify_divergence", "explain_mismatch", "first_divergence"], "numerics"),
     **dict.fromkeys(["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "machine_info"], "machine"),

@@ -56,6 +56,15 @@ def stratified_selection(rows: list[dict], limit: int | None) -> list[dict]:
     return picked
 
 
+def choose_prompts(path: str | os.PathLike | None, limit: int | None) -> tuple[list[dict], dict]:
+    """The rows a run times (`stratified_selection` of the prompts file, `None`: the shipped evaluation prompts) and
+    a warm-up row outside them (the first row of the file not chosen; the first chosen one when every row is)."""
+    all_rows = load_prompts(path)
+    rows = stratified_selection(all_rows, limit)
+    chosen = {r["id"] for r in rows}
+    return rows, next((r for r in all_rows if r["id"] not in chosen), rows[0])
+
+
 @dataclass
 class BenchPrompt:
     """One tokenised prompt: `input_ids` `(1, L)`."""
@@ -75,4 +84,5 @@ def tokenize_prompts(tokenizer, rows: list[dict]) -> list[BenchPrompt]:
     return out
 
 
-__all__ = ["BenchPrompt", "default_prompts_path", "load_prompts", "stratified_selection", "tokenize_prompts"]
+__all__ = ["BenchPrompt", "choose_prompts", "default_prompts_path", "load_prompts", "stratified_selection",
+           "tokenize_prompts"]

@@ -20,7 +20,7 @@ from .defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, W
 from .journal import BenchJournal, config_digest, journal_header, run_from_dict, weights_digest
 from .machine import machine_info
 from .numerics import explain_mismatch
-from .prompts import BenchPrompt, default_prompts_path, load_prompts, stratified_selection, tokenize_prompts
+from .prompts import BenchPrompt, choose_prompts, default_prompts_path, tokenize_prompts
 from .report import same_length_summary, write_results
 
 
@@ -313,10 +313,7 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     if dflash is not None and batch_sizes is not None:
         raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
                          "time (assisted decoding is batch 1); run the DFlash arm in the ordinary bench.")
-    all_rows = load_prompts(prompts)
-    rows = stratified_selection(all_rows, limit)
-    chosen = {r["id"] for r in rows}
-    warm_row = next((r for r in all_rows if r["id"] not in chosen), rows[0])
+    rows, warm_row = choose_prompts(prompts, limit)
 
     models, drafters, tokenizer = {}, {name: {} for name in drafter_paths}, None
     for dt in dtypes:

@@ -34,7 +34,7 @@ def run_corpus_lookup(args: argparse.Namespace) -> int:
     if not Path(args.corpus).is_dir():
         raise ValueError(f"`--corpus` must be a corpus folder, got {args.corpus!r}, which does not exist.")
     check_output_dir("--out", args.out)
-    from hf_chainflow.corpus_lookup import add_corpus_lookup
+    from hf_chainflow.workflows import add_corpus_lookup
 
     table = add_corpus_lookup(args.drafter, args.corpus, args.out, num_tokens=args.num_tokens, split=args.split,
                               min_count=args.min_count, max_ngram=args.max_ngram, prompt_tail=args.prompt_tail)

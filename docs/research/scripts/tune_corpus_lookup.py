@@ -19,12 +19,12 @@ import time
 import torch
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.bench import (Arm, build_arms, load_prompts, run_bench, stratified_selection, tokenize_prompts,
-                                warm_up_arms, write_results)
+from hf_chainflow.bench import Arm, build_arms
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.corpus import ResponseCorpus
 from hf_chainflow.corpus_lookup import ContinuationTable
 from hf_chainflow.targets import load_model_and_tokenizer
+from tune_tree_budget import bench_variants  # this folder: the interleaved run and its report
 
 
 def main():
@@ -64,23 +64,8 @@ def main():
         arms.append(Arm(f"tree{budget}+lookup+corpus{k}", "tree", args.dtype, "chainflow",
                         {**tree_lookup, "tree_budget": int(budget) if budget else g.tree_budget,
                          "corpus_lookup_num_tokens": int(k)}))
-    drafters = {"chainflow": {args.dtype: drafter}}
-    drafting = warm_up_arms(arms, drafters, True)
-
-    prompts = load_prompts(args.prompts)
-    chosen = stratified_selection(prompts, args.limit)
-    warm = next((r for r in prompts if r not in chosen), chosen[0])
-    results = run_bench({args.dtype: model}, tokenize_prompts(tokenizer, chosen), arms, drafters,
-                        max_new_tokens=args.max_new_tokens, warmup=tokenize_prompts(tokenizer, [warm])[0],
-                        eos_token_id=model.generation_config.eos_token_id,
-                        pad_token_id=model.generation_config.pad_token_id, decode=tokenizer.decode,
-                        settings={"prompts": args.prompts, "variants": args.variants, "drafting": drafting,
-                                  "prompt_tail": args.prompt_tail, "min_count": args.min_count,
-                                  "threads": torch.get_num_threads()})
-    write_results(results, args.out)
-    for key, arm in results["arms"].items():
-        print(f"{key:32s} {arm['speedup']:.2f}x  tau {arm['tau']:.2f}")
-
+    bench_variants(model, tokenizer, drafter, arms, args,
+                   {"variants": args.variants, "prompt_tail": args.prompt_tail, "min_count": args.min_count})
 
 if __name__ == "__main__":
     main()

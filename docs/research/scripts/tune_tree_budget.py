@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.bench import (Arm, build_arms, load_prompts, run_bench, stratified_selection, tokenize_prompts,
-                                warm_up_arms, write_results)
+from hf_chainflow.bench import (Arm, build_arms, choose_prompts, run_bench, tokenize_prompts, warm_up_arms,
+                                write_results)
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.targets import load_model_and_tokenizer
 
@@ -43,21 +43,26 @@ def main():
     arms = build_arms([args.dtype], {}, only=["ar", "pld"])
     arms += [Arm(f"tree+lookup-b{b}", "tree", args.dtype, "chainflow",
                  {"tree_width": g.tree_width, "tree_depth": g.tree_depth, "tree_budget": b, **lookup}) for b in budgets]
+    bench_variants(model, tokenizer, drafter, arms, args, {"budgets": budgets})
+
+
+def bench_variants(model, tokenizer, drafter, arms, args, settings: dict) -> dict:
+    """One interleaved bench run of `arms` (the drafter's arms compiled and warmed up first) on `args.limit` prompts
+    of `args.prompts` in `args.dtype`; writes to `args.out`, prints each arm's speedup and τ (also used by
+    tune_corpus_lookup.py)."""
     drafters = {"chainflow": {args.dtype: drafter}}
     drafting = warm_up_arms(arms, drafters, True)
-
-    rows = load_prompts(args.prompts)
-    chosen = stratified_selection(rows, args.limit)
-    warm = next((r for r in rows if r not in chosen), chosen[0])
+    chosen, warm = choose_prompts(args.prompts, args.limit)
+    gen = model.generation_config
     results = run_bench({args.dtype: model}, tokenize_prompts(tokenizer, chosen), arms, drafters,
                         max_new_tokens=args.max_new_tokens, warmup=tokenize_prompts(tokenizer, [warm])[0],
-                        eos_token_id=model.generation_config.eos_token_id,
-                        pad_token_id=model.generation_config.pad_token_id, decode=tokenizer.decode,
-                        settings={"prompts": args.prompts, "budgets": budgets, "drafting": drafting,
-                                  "threads": torch.get_num_threads()})
+                        eos_token_id=gen.eos_token_id, pad_token_id=gen.pad_token_id, decode=tokenizer.decode,
+                        settings={"prompts": args.prompts, "drafting": drafting, "threads": torch.get_num_threads(),
+                                  **settings})
     write_results(results, args.out)
     for key, arm in results["arms"].items():
-        print(f"{key:28s} {arm['speedup']:.2f}x  tau {arm['tau']:.2f}")
+        print(f"{key:32s} {arm['speedup']:.2f}x  tau {arm['tau']:.2f}")
+    return results
 
 
 if __name__ == "__main__":
