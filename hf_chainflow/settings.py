@@ -5,10 +5,9 @@
   `hf_chainflow.search.candidate_search` take it.
 - `SpeculativeSettings`: what a `generate(assistant_model=drafter)` call drafts with, read from
   `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`, `tree_budget`,
-  `num_flow_steps`, the prompt-lookup branch `lookup_*`, the corpus-lookup branch `corpus_lookup_*`) and the
-  call's sampling. Built once per call
-  (`SpeculativeSettings.from_drafter`) and used by both loops: transformers' assisted loop
-  (`ChainFlowCandidateGenerator`) and hf_chainflow's own (`speculative_generate`).
+  `num_flow_steps`, the prompt-lookup branch `lookup_*`, the corpus-lookup branch `corpus_lookup_num_tokens`) and
+  the call's sampling. Built once per call (`SpeculativeSettings.from_drafter`) and used by both loops: transformers'
+  assisted loop (`ChainFlowCandidateGenerator`) and hf_chainflow's own (`speculative_generate`).
 - `validate_speculative_call`: every check of a ChainFlow `generate` call (target, batch, beams, caches, attention,
   ...); `SpeculativeSettings.needs_own_loop` says which loop runs it.
 
