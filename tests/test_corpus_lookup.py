@@ -2,6 +2,7 @@
 generation with a corpus-lookup branch on every tiny target family, batch 1 and batched."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,7 +205,7 @@ def test_the_command_adds_a_table_to_a_saved_drafter_in_its_dtype(tmp_path):
     from hf_chainflow.commands import main
 
     shipped = default_drafter_path()
-    corpus = "corpus/smollm2-135m-instruct"
+    corpus = str(Path(__file__).resolve().parents[1] / "corpus" / "smollm2-135m-instruct")  # the repo's corpus
     out = tmp_path / "with-table"
     assert main(["corpus-lookup", "--drafter", str(shipped), "--corpus", corpus, "--split", "heldout",
                  "--num-tokens", "5", "--out", str(out)]) == 0
