@@ -38,6 +38,7 @@ def main():
                         "cut to BUDGET nodes")
     parser.add_argument("--prompt-tail", type=int, default=4, help="prompt tokens kept before each response")
     parser.add_argument("--min-count", type=int, default=2)
+    parser.add_argument("--min-ngram", type=int, default=2, help="shortest n-gram the table holds")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True, help="output directory")
@@ -50,7 +51,7 @@ def main():
     rows = ResponseCorpus(args.corpus).table("train", ["prompt_ids", "response_ids"]).to_pylist()
     drafter.set_continuation_table(ContinuationTable.build(
         (r["prompt_ids"][-args.prompt_tail:] + r["response_ids"] for r in rows), vocab_size=model.config.vocab_size,
-        min_count=args.min_count))
+        min_count=args.min_count, min_ngram=args.min_ngram))
     print(f"table: {len(drafter.continuation_table):,} n-grams from {len(rows):,} responses in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     g = drafter.generation_config
@@ -65,7 +66,8 @@ def main():
                         {**tree_lookup, "tree_budget": int(budget) if budget else g.tree_budget,
                          "corpus_lookup_num_tokens": int(k)}))
     bench_variants(model, tokenizer, drafter, arms, args,
-                   {"variants": args.variants, "prompt_tail": args.prompt_tail, "min_count": args.min_count})
+                   {"variants": args.variants, "prompt_tail": args.prompt_tail, "min_count": args.min_count,
+                    "min_ngram": args.min_ngram})
 
 if __name__ == "__main__":
     main()
