@@ -38,7 +38,8 @@ def main():
                         "cut to BUDGET nodes")
     parser.add_argument("--prompt-tail", type=int, default=4, help="prompt tokens kept before each response")
     parser.add_argument("--min-count", type=int, default=2)
-    parser.add_argument("--min-ngram", type=int, default=2, help="shortest n-gram the table holds")
+    parser.add_argument("--min-ngram", default="2", help="shortest n-gram the table holds; several (e.g. 2,3): "
+                        "one table each, every variant run with each")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True, help="output directory")
@@ -46,28 +47,34 @@ def main():
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct", getattr(torch, args.dtype))
-    drafter = ChainFlowDrafter.from_pretrained(str(default_drafter_path()), target=model).eval()
     start = time.perf_counter()
     rows = ResponseCorpus(args.corpus).table("train", ["prompt_ids", "response_ids"]).to_pylist()
-    drafter.set_continuation_table(ContinuationTable.build(
-        (r["prompt_ids"][-args.prompt_tail:] + r["response_ids"] for r in rows), vocab_size=model.config.vocab_size,
-        min_count=args.min_count, min_ngram=args.min_ngram))
-    print(f"table: {len(drafter.continuation_table):,} n-grams from {len(rows):,} responses in "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
+    shortest = [int(n) for n in args.min_ngram.split(",")]
+    drafters = {}  # one drafter a table: "chainflow" holds the first, "minN" the others
+    for n in shortest:
+        drafter = ChainFlowDrafter.from_pretrained(str(default_drafter_path()), target=model).eval()
+        drafter.set_continuation_table(ContinuationTable.build(
+            (r["prompt_ids"][-args.prompt_tail:] + r["response_ids"] for r in rows),
+            vocab_size=model.config.vocab_size, min_count=args.min_count, min_ngram=n))
+        drafters["chainflow" if not drafters else f"min{n}"] = drafter
+        print(f"table {n}-4: {len(drafter.continuation_table):,} n-grams from {len(rows):,} responses "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
     g = drafter.generation_config
     tree_lookup = {"tree_width": g.tree_width, "tree_depth": g.tree_depth, "tree_budget": g.tree_budget,
                    "lookup_num_tokens": g.lookup_num_tokens, "lookup_trust_ngram": g.lookup_trust_ngram,
                    "lookup_max_tokens": g.lookup_max_tokens}
     arms = build_arms([args.dtype], {}, only=["ar", "pld"])
     arms.append(Arm("tree+lookup", "tree", args.dtype, "chainflow", dict(tree_lookup)))
-    for v in args.variants.split(","):
-        budget, _, k = v.rpartition(":")  # [BUDGET:]K
-        arms.append(Arm(f"tree{budget}+lookup+corpus{k}", "tree", args.dtype, "chainflow",
-                        {**tree_lookup, "tree_budget": int(budget) if budget else g.tree_budget,
-                         "corpus_lookup_num_tokens": int(k)}))
-    bench_variants(model, tokenizer, drafter, arms, args,
+    for name, n in zip(drafters, shortest):
+        suffix = f"-min{n}" if len(shortest) > 1 else ""
+        for v in args.variants.split(","):
+            budget, _, k = v.rpartition(":")  # [BUDGET:]K
+            arms.append(Arm(f"tree{budget}+lookup+corpus{k}{suffix}", "tree", args.dtype, name,
+                            {**tree_lookup, "tree_budget": int(budget) if budget else g.tree_budget,
+                             "corpus_lookup_num_tokens": int(k)}))
+    bench_variants(model, tokenizer, drafters, arms, args,
                    {"variants": args.variants, "prompt_tail": args.prompt_tail, "min_count": args.min_count,
-                    "min_ngram": args.min_ngram})
+                    "min_ngram": shortest})
 
 if __name__ == "__main__":
     main()

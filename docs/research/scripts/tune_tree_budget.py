@@ -43,14 +43,14 @@ def main():
     arms = build_arms([args.dtype], {}, only=["ar", "pld"])
     arms += [Arm(f"tree+lookup-b{b}", "tree", args.dtype, "chainflow",
                  {"tree_width": g.tree_width, "tree_depth": g.tree_depth, "tree_budget": b, **lookup}) for b in budgets]
-    bench_variants(model, tokenizer, drafter, arms, args, {"budgets": budgets})
+    bench_variants(model, tokenizer, {"chainflow": drafter}, arms, args, {"budgets": budgets})
 
 
-def bench_variants(model, tokenizer, drafter, arms, args, settings: dict) -> dict:
-    """One interleaved bench run of `arms` (the drafter's arms compiled and warmed up first) on `args.limit` prompts
-    of `args.prompts` in `args.dtype`; writes to `args.out`, prints each arm's speedup and τ (also used by
-    tune_corpus_lookup.py)."""
-    drafters = {"chainflow": {args.dtype: drafter}}
+def bench_variants(model, tokenizer, drafters: dict, arms, args, settings: dict) -> dict:
+    """One interleaved bench run of `arms` (the arms of `drafters`, name -> drafter, compiled and warmed up first) on
+    `args.limit` prompts of `args.prompts` in `args.dtype`; writes to `args.out`, prints each arm's speedup and τ
+    (also used by tune_corpus_lookup.py)."""
+    drafters = {name: {args.dtype: d} for name, d in drafters.items()}
     drafting = warm_up_arms(arms, drafters, True)
     chosen, warm = choose_prompts(args.prompts, args.limit)
     gen = model.generation_config
