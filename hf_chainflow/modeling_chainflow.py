@@ -636,9 +636,10 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
         for name in ("continuation_keys", "continuation_next_tokens"):
             self._buffers.pop(name, None)
         self._continuation_table = None
-        if table is None:
+        if table is None:  # the config's defaults again
             self.config.continuation_table_size = 0
-            self.config.continuation_min_ngram, self.config.continuation_max_ngram = 2, 4
+            self.config.continuation_min_ngram = ChainFlowConfig.continuation_min_ngram
+            self.config.continuation_max_ngram = ChainFlowConfig.continuation_max_ngram
             return self
         device = self.state_mean.device
         self.register_buffer("continuation_keys", table.keys.to(device))

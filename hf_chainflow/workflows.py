@@ -204,10 +204,7 @@ def add_corpus_lookup(drafter, corpus, out, *, num_tokens: int = 6, **table_kwar
                          f"{num_tokens!r}.")
     table = table_from_corpus(corpus, **table_kwargs)  # before the drafter loads: a bad corpus fails first
     model = ChainFlowDrafter.from_pretrained(drafter, dtype="auto")
-    if model.config.vocab_size != table.vocab_size:
-        raise ValueError(f"The corpus {str(corpus)!r} holds a {table.vocab_size}-token vocabulary, but the drafter "
-                         f"{str(drafter)!r} drafts for {model.config.vocab_size} tokens; use the corpus of its target.")
-    model.set_continuation_table(table)
+    model.set_continuation_table(table)  # refuses a table of another vocabulary
     model.generation_config.corpus_lookup_num_tokens = num_tokens
     model.save_pretrained(out)
     return table

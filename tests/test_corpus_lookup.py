@@ -1,5 +1,6 @@
-"""Corpus lookup: the continuation table (build, propose, rules), its place in a drafter (save/load), and lossless
-generation with a corpus-lookup branch on every tiny target family, batch 1 and batched."""
+"""Corpus lookup: the continuation table (build, propose, rules), its place in a drafter (save/load), lossless greedy
+generation with a corpus-lookup branch on every tiny target family, batch 1 and batched, and the command. Sampling
+with the branch: `tests/test_generate_api.py::test_sampling_keeps_target_distribution`."""
 
 import json
 from pathlib import Path
@@ -186,17 +187,6 @@ def test_corpus_lookup_branch_in_a_batch_is_lossless(family_setup):
             assert torch.equal(out[b, width:], ref), (family, b)
         assert drafter.last_stats.corpus_lookup_rounds > 0
 
-
-def test_sampling_with_a_corpus_branch_runs_in_the_own_loop(family_setup):
-    family, target, prompts, refs, table = family_setup
-    chainflow, _ = _drafters(target, table)
-    set_shape(chainflow, "chain", 3)
-    chainflow.generation_config.corpus_lookup_num_tokens = 5
-    torch.manual_seed(0)  # a cold temperature keeps the text near the greedy one, which the table holds
-    out = target.generate(prompts[0][None], max_new_tokens=12, do_sample=True, temperature=0.05,
-                          assistant_model=chainflow)
-    assert out.shape[1] == prompts[0].shape[0] + 12
-    assert chainflow.last_stats.loop == "chainflow" and chainflow.last_stats.corpus_lookup_rounds > 0
 
 
 # ---------------------------------------------------------------------------------------------- the command

@@ -11,7 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 import hf_chainflow
-from hf_chainflow import ChainFlowCandidateGenerator, ChainFlowConfig, ChainFlowDrafter
+from hf_chainflow import ChainFlowCandidateGenerator, ChainFlowConfig, ChainFlowDrafter, ContinuationTable
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
 from _speculative import exact_pair_distribution
@@ -191,15 +191,18 @@ def test_tau_counts_every_target_forward(family, mode, request):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("family,drafter_kind,mode,lookup", [
-    ("llama", "chainflow", "chain", None),   # transformers' loop: q-sampled chain, min(1, p/q)
-    ("qwen3_5", "oracle", "chain", None),    # own loop (hybrid): the same rule
-    ("qwen3", "chainflow", "chain", None),   # transformers' loop on the third family
-    ("llama", "chainflow", "tree", None),    # own loop: greedy tree, children tried as fixed proposals
-    ("qwen3", "chainflow", "tree", 3),       # ... plus a prompt-lookup branch
-    ("qwen3_5", "oracle", "tree", 3),        # ... on the hybrid target
+@pytest.mark.parametrize("family,drafter_kind,mode,lookup,corpus", [
+    ("llama", "chainflow", "chain", None, False),   # transformers' loop: q-sampled chain, min(1, p/q)
+    ("qwen3_5", "oracle", "chain", None, False),    # own loop (hybrid): the same rule
+    ("qwen3", "chainflow", "chain", None, False),   # transformers' loop on the third family
+    ("llama", "chainflow", "tree", None, False),    # own loop: greedy tree, children tried as fixed proposals
+    ("qwen3", "chainflow", "tree", 3, False),       # ... plus a prompt-lookup branch
+    ("qwen3_5", "oracle", "tree", 3, False),        # ... on the hybrid target
+    ("llama", "chainflow", "chain", None, True),    # a greedy chain plus a corpus-lookup branch (own loop)
+    ("qwen3", "chainflow", "tree", 3, True),        # tree, prompt- and corpus-lookup branches
+    ("qwen3_5", "oracle", "tree", None, True),      # ... on the hybrid target
 ])
-def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup):
+def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup, corpus):
     vocab = 12
     target = tiny_target(family, vocab_size=vocab, hidden_size=32, num_layers=2, seed=4)
     with torch.no_grad():
@@ -211,19 +214,28 @@ def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup):
     g = drafter.generation_config
     g.num_assistant_tokens, g.draft_mode, g.lookup_num_tokens = 2, mode, lookup
     g.tree_width, g.tree_depth, g.tree_budget = 3, 2, 4
+    if corpus:  # a table of random text over the tiny vocabulary: its branches are often wrong, sometimes right
+        table = ContinuationTable.build([torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(2))
+                                         .tolist()], vocab_size=vocab, max_ngram=3, min_count=1)
+        if drafter_kind == "oracle":
+            drafter.continuation_table = table
+        else:
+            drafter.set_continuation_table(table)
+        g.corpus_lookup_num_tokens = 3
     prompt = torch.tensor([[3, 7, 5, 9, 3, 7]])  # "... 3 7" repeats: the lookup finds "5 9 ..."
     temperature, top_p = 0.8, 0.9
     exact = exact_pair_distribution(target, prompt, temperature, top_p, vocab)
     n = 1200
     torch.manual_seed(0)
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    accepted = lookup_rounds = 0
+    accepted = lookup_rounds = corpus_rounds = 0
     for _ in range(n):
         out = target.generate(prompt, max_new_tokens=3, do_sample=True, temperature=temperature, top_p=top_p,
                               top_k=0, assistant_model=drafter, eos_token_id=None, pad_token_id=0)
         counts[out[0, -2], out[0, -1]] += 1
         accepted += sum(drafter.last_stats.accepted)
         lookup_rounds += drafter.last_stats.lookup_rounds
+        corpus_rounds += drafter.last_stats.corpus_lookup_rounds
     empirical = counts / n
     tv = 0.5 * (empirical - exact).abs().sum().item()
     # Null: the TV of n exact samples from `exact`, over 30 simulated draws; tolerance = 1.5x its maximum.
@@ -235,6 +247,7 @@ def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup):
         null.append(0.5 * (emp - exact.reshape(-1)).abs().sum().item())
     assert accepted > 0, "no draft token was ever accepted: the test would not exercise rejection sampling"
     assert (lookup_rounds > 0) == (lookup is not None)
+    assert (corpus_rounds > 0) == corpus
     assert tv < 1.5 * max(null), (tv, max(null))
 
 

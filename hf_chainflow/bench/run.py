@@ -295,8 +295,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     `partial`). Returns the results and the written files (`write_results`).
 
     `lookup` (the `lookup_*` generation-config fields) adds the `tree+lookup` arm; without it the default drafter's
-    own `lookup_num_tokens` does, when set (with its `corpus_lookup_num_tokens`, when set). `chain`, `tree`, `tree_budget` override the drafters' generation configs;
-    `only` keeps the arms of those names (`build_arms`). `compile_drafting` sets every drafter's
+    own `lookup_num_tokens` does, when set (with its `corpus_lookup_num_tokens`, when set). `chain`, `tree`,
+    `tree_budget` override the drafters' generation configs; `only` keeps the arms of those names (`build_arms`). `compile_drafting` sets every drafter's
     `generation_config.compile_drafting` (`None`: keep each drafter's own); compiled rounds are warmed up for every
     arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`). With
     `batch_sizes`, runs the batched bench instead (`hf_chainflow.bench.batched`: plain batched `generate` against
