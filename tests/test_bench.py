@@ -459,6 +459,12 @@ def test_demo_command(saved, capsys, monkeypatch):
     assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"), "--dtype",
                  "bfloat16", "--prompt", "Say hi.", "--max-new-tokens", "3", "--threads", "1"]) == 0
     assert capsys.readouterr().out.startswith("note: this CPU has no native bfloat16 matrix instructions")
+    # No dtype asked for on such a CPU: float32, said first, and no bfloat16 note.
+    assert main(["demo", "--target", str(saved / "target"), "--drafter-path", str(saved / "drafter"),
+                 "--prompt", "Say hi.", "--max-new-tokens", "3", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("dtype: float32 (this CPU has no native bfloat16 matrix instructions")
+    assert ", float32: tau" in text and "note:" not in text
 
 
 def test_describe_settings_names_every_drafting_knob():
@@ -519,6 +525,16 @@ def test_bench_report_main_rewrites_a_saved_run(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["same_length"]["bfloat16"]["prompts"] == 1
     assert "## Same-length prompts" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup_per_domain.png").is_file()
+
+
+def test_demo_dtype_is_float32_only_where_bf16_instructions_are_known_missing():
+    from hf_chainflow.bench import demo_dtype, lacks_bf16_matrix_instructions
+
+    assert demo_dtype({"amx_tile": False, "avx512_bf16": False}) == "float32"
+    assert demo_dtype({"amx_tile": True, "avx512_bf16": False}) == "bfloat16"
+    assert demo_dtype({"amx_tile": False, "avx512_bf16": True}) == "bfloat16"
+    assert demo_dtype({"amx_tile": False, "avx512_bf16": None}) == "bfloat16"  # unknown: no claim
+    assert (demo_dtype() == "float32") == lacks_bf16_matrix_instructions()
 
 
 def test_bf16_hardware_note_only_without_native_instructions():

@@ -1,7 +1,7 @@
 """`hf-chainflow demo`: speculative decoding on the embedded default target and drafter, streamed, then compared
 with plain generation of the same prompts.
 
-    hf-chainflow demo                                  # the drafter's own settings (best measured), bfloat16, 3 prompts
+    hf-chainflow demo                                  # the drafter's own settings (best measured), 3 prompts
     hf-chainflow demo --mode chain --dtype float32     # chain drafting; float32 outputs equal plain greedy exactly
     hf-chainflow demo --no-lookup                      # pure ChainFlow drafting (no prompt-lookup branch)
 
@@ -9,8 +9,10 @@ Each prompt is generated greedily with the drafter (`generate(assistant_model=dr
 then plainly (same dtype, unprinted). The demo prints tau (tokens per target forward after the prefill, bonus
 included), the speedup (pooled plain time per token / pooled speculative time per token) and whether the outputs
 are identical. In bfloat16 an output may differ on a near-tie (see `hf_chainflow.bench.numerics`); float32 is exact.
-In bfloat16 on a CPU without bfloat16 matrix instructions (no AMX, no AVX-512 BF16) it first prints a note
-(`hf_chainflow.bench.machine.bf16_hardware_note`): there multi-token verification costs several plain steps.
+The dtype is bfloat16 unless the CPU is known to lack bfloat16 matrix instructions (no AMX, no AVX-512 BF16): there
+multi-token verification in bfloat16 costs several plain steps, so the demo runs in float32 and says so
+(`hf_chainflow.bench.machine.demo_dtype`); `--dtype bfloat16` on such a CPU first prints a note
+(`bf16_hardware_note`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--drafter-path", help="ChainFlow drafter directory (default: the drafter shipped in the package)")
     p.add_argument("--mode", choices=("chain", "tree"), help="draft mode (default: the drafter's generation config)")
     p.add_argument("--no-lookup", action="store_true", help="switch the prompt-lookup branch off (pure ChainFlow)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="target dtype (default: bfloat16; float32 on a CPU without bfloat16 matrix instructions)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 3 built-in prompts)")
     p.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt (default 96)")
     p.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: all cores)")
@@ -38,7 +41,7 @@ def add_demo_parser(sub) -> None:
 def run_demo_command(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_chainflow.bench.machine import bf16_hardware_note
+    from hf_chainflow.bench.machine import bf16_hardware_note, demo_dtype
     from hf_chainflow.checkpoints import default_drafter_path
     from hf_chainflow.demo import DEMO_PROMPTS, demo
 
@@ -46,10 +49,15 @@ def run_demo_command(args: argparse.Namespace) -> int:
     if args.drafter_path:
         check_model_source("--drafter-path", args.drafter_path)
     path = args.drafter_path or default_drafter_path()
-    note = bf16_hardware_note() if args.dtype == "bfloat16" else None
+    dtype = args.dtype or demo_dtype()
+    if args.dtype is None and dtype == "float32":
+        print(f"dtype: float32 (this CPU has no native bfloat16 matrix instructions; torch reports "
+              f"{torch.backends.cpu.get_cpu_capability()}: verifying several tokens in bfloat16 costs several plain "
+              "steps here). `--dtype bfloat16` runs in bfloat16.")
+    note = bf16_hardware_note() if dtype == "bfloat16" else None
     if note is not None:
         print(note)
-    demo(args.target, path, args.dtype, args.prompt or DEMO_PROMPTS, mode=args.mode,
+    demo(args.target, path, dtype, args.prompt or DEMO_PROMPTS, mode=args.mode,
          lookup=False if args.no_lookup else None, max_new_tokens=args.max_new_tokens)
     return 0
 
