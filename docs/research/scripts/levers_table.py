@@ -9,7 +9,8 @@ with their intervals) to `--out`:
         --out docs/research/results/levers
 
 `--subset 316` compares on the seeded half of the responses (`--walk-sequences 316`): arms walked on all 632 are cut
-down to those, arms walked only on them are read from `walk316-ARM/`.
+down to those, arms walked only on them are read from `walk316-ARM/`. `--drafting-cost` adds each arm's drafting ms
+per round (tree / chain, compiled) from `levers_drafting_cost.py --out`'s `drafting_cost.json`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=10000)
     parser.add_argument("--subset", type=int, help="compare on the responses `--walk-sequences SUBSET` visits "
                         "(arms walked on 632 are cut down to them; the others read walkSUBSET-ARM)")
+    parser.add_argument("--drafting-cost", type=Path, help="drafting_cost.json of levers_drafting_cost.py")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     arms = args.arms.split(",")
@@ -74,13 +76,18 @@ def main() -> None:
             if walk[mode]["per_sequence"]["seq"] != walks[control][mode]["per_sequence"]["seq"]:
                 raise SystemExit(f"{arm}'s {mode} walk visited other responses than {control}'s")
 
+    cost = json.loads(args.drafting_cost.read_text()) if args.drafting_cost else None
     rows, diffs = [], {}
-    header = ("| arm | walk chain τ | walk tree τ | chain − R (95 %) | tree − R (95 %) | reading | training s |\n"
-              "|---|---|---|---|---|---|---|")
+    header = ("| arm | walk chain τ | walk tree τ | chain − R (95 %) | tree − R (95 %) | reading | training s |"
+              + (" drafting ms, tree / chain |" if cost else "") + "\n|---|---|---|---|---|---|---|"
+              + ("---|" if cost else ""))
     for arm, walk in walks.items():
         chain, tree = walk_tau(walk["chain"]), walk_tau(walk["tree"])
         summary = args.runs / arm / "train_summary.json"
         seconds = f"{json.loads(summary.read_text())['train_seconds']:.0f}" if summary.exists() else "–"
+        if cost:
+            ms = cost["arms"][arm]
+            seconds += f" | {ms['tree']['compiled_ms']:.1f} / {ms['chain']['compiled_ms']:.1f}"
         if arm == control:
             rows.append(f"| {arm} (control) | {chain:.4f} | {tree:.4f} | – | – | – | {seconds} |")
             continue
@@ -94,6 +101,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     text = (f"Held-out serving walk on {num} responses; differences from {control}, paired bootstrap over the responses "
             f"({args.resamples} draws).\n\n" + header + "\n" + "\n".join(rows) + "\n")
+    if cost:
+        m = cost["machine"]
+        text += (f"\nDrafting ms: one served round ({cost['rounds']['tree']} / {cost['rounds']['chain']}), compiled, "
+                 f"median of {cost['timed_rounds']} interleaved rounds on {cost['windows']} windows of real target "
+                 f"states ({cost['dtype']}, {cost['threads']} threads; {m['cpu']}, family {m['cpu_family']} model "
+                 f"{m['cpu_model']}, torch capability {m['cpu_capability']}); the arm's architecture, not its weights "
+                 f"(P and S have R's).\n")
     (args.out / "ablation.md").write_text(text)
     (args.out / "ablation.json").write_text(json.dumps(diffs, indent=1))
     print(text)
