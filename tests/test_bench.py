@@ -256,6 +256,61 @@ def test_config_digest_follows_config_and_generation_config(tmp_path):
     assert config_digest(a) != config_digest(b)
 
 
+def test_config_digest_counts_only_fields_off_their_defaults():
+    """A field at its class default does not count, so a field added later with a default that drafts as before
+    leaves the digest of every saved drafter (and every journal) as it was; a field moved off its default counts."""
+    from hf_chainflow.bench.journal import config_digest
+
+    drafter = ChainFlowDrafter(ChainFlowConfig.for_target(tiny_target("llama").config, **DRAFTER))
+    digest = config_digest(drafter)
+    del drafter.config.continuation_min_ngram  # as read from a config saved before the field existed
+    assert config_digest(drafter) == digest
+    drafter.config.continuation_min_ngram = 3
+    assert config_digest(drafter) != digest
+
+
+def test_a_journal_with_earlier_config_digests_resumes(tmp_path):
+    """A journal written before the config-digest rule of 2026-12-07 (issue 40's 320-prompt run among them) holds its
+    drafters' digests under the earlier rule: every field of the config class, without the fields added since. It
+    resumes; a digest of neither rule is refused and leaves the journal as it was."""
+    import hashlib
+
+    from hf_chainflow.bench.journal import config_digest, earlier_config_digests
+
+    target = tiny_target("llama", num_layers=2)
+    drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER)).bind_target(target).eval()
+    models, prompts = {"float32": target}, _prompts(target.config.vocab_size)[:2]
+    arms = build_arms(["float32"], {"cf": drafter}, pld_tokens=4, chain=2, default_drafter="cf", only=["ar", "chain"])
+    kw = dict(max_new_tokens=4, pad_token_id=0, progress=False,
+              settings={"drafter_config_sha256": {"cf": config_digest(drafter)}})
+    journal = tmp_path / "runs.jsonl"
+    run_bench(models, prompts, arms, {"cf": {"float32": drafter}}, journal=journal, **kw)
+    lines = journal.read_text().splitlines()
+
+    skip = ("_name_or_path", "transformers_version", "_from_model_config")  # the earlier rule, as it was written
+    dicts = {name: {k: v for k, v in getattr(drafter, name).to_diff_dict().items() if k not in skip}
+             for name in ("config", "generation_config")}
+    for key in ("continuation_table_size", "continuation_min_ngram", "continuation_max_ngram"):
+        del dicts["config"][key]  # added after that journal was written, as was the generation config's
+    if dicts["generation_config"].get("corpus_lookup_num_tokens", 0) is None:
+        del dicts["generation_config"]["corpus_lookup_num_tokens"]
+    earlier = hashlib.sha256(json.dumps(dicts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert earlier in earlier_config_digests(drafter) and earlier != config_digest(drafter)
+    header = json.loads(lines[0])
+    for held, accepted in ((earlier, True), ("0123456789abcdef", False)):
+        header["settings"]["drafter_config_sha256"]["cf"] = held
+        journal.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+        before = journal.read_bytes()
+        if accepted:
+            part = run_bench(models, prompts, arms, {"cf": {"float32": drafter}}, journal=journal, resume=True,
+                             partial=True, **kw)
+            assert part["arms"]["chain@float32"]["prompts"] == 2
+        else:
+            with pytest.raises(ValueError, match=r"\['settings.drafter_config_sha256.cf'\]"):
+                run_bench(models, prompts, arms, {"cf": {"float32": drafter}}, journal=journal, resume=True, **kw)
+        assert journal.read_bytes() == before
+
+
 def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     """A run stopped after two prompts resumes from its journal and summarises like an uninterrupted run; a resume
     with other settings, or without a journal, is refused and leaves the journal as it was."""

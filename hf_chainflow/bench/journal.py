@@ -57,17 +57,52 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
+_DIGEST_SKIP = ("_name_or_path", "transformers_version", "_from_model_config")  # paths and library versions
+
+# Fields added after journals began to record config digests, with the defaults that draft as before. The rule
+# before 2026-12-07 counted every field a config held, so the digest of a journal written then lacks them
+# (`earlier_config_digests`); today's rule leaves out every field at its default, so this list does not grow.
+_FIELDS_ADDED_AFTER_EARLIER_DIGESTS = {
+    "config": {"continuation_table_size": 0, "continuation_min_ngram": 2, "continuation_max_ngram": 4},
+    "generation_config": {"corpus_lookup_num_tokens": None}}
+
+
+def _digest(dicts: dict) -> str:
+    return hashlib.sha256(json.dumps(dicts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
 def config_digest(model) -> str:
     """Short SHA-256 of a model's `config` and `generation_config`, so a resumed run cannot mix drafters with the same
     weights that draft differently (`candidate_budget`, `serving_head_dtype`, `num_flow_steps`...).
 
-    Each counts by its fields that differ from their defaults (`to_diff_dict`, paths and library version aside): a
-    transformers release that adds a field with a default does not change it.
+    Each counts by its fields whose value differs from its class's default (`None` for a field the class does not
+    define, such as a drafting field of a generation config; paths and library version aside): a release of
+    transformers or of this package that adds a field with a default does not change it, and a changed default does
+    wherever a config relies on it.
     """
-    skip = ("_name_or_path", "transformers_version", "_from_model_config")
-    dicts = {name: {k: v for k, v in getattr(model, name).to_diff_dict().items() if k not in skip}
+    dicts = {}
+    for name in ("config", "generation_config"):
+        config = getattr(model, name, None)
+        if config is not None:
+            values, defaults = _jsonable(config.to_dict()), _jsonable(type(config)().to_dict())
+            dicts[name] = {k: v for k, v in values.items() if k not in _DIGEST_SKIP and defaults.get(k) != v}
+    return _digest(dicts)
+
+
+def earlier_config_digests(model) -> list[str]:
+    """The digests `config_digest` gave before 2026-12-07, when it counted every field of the config class
+    (`to_diff_dict`): with today's fields, and without the fields added since at their defaults. A journal written
+    then holds one of them; `run_bench` accepts it on resume (`BenchJournal(accepted=...)`)."""
+    dicts = {name: {k: v for k, v in getattr(model, name).to_diff_dict().items() if k not in _DIGEST_SKIP}
              for name in ("config", "generation_config") if getattr(model, name, None) is not None}
-    return hashlib.sha256(json.dumps(dicts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    added = _FIELDS_ADDED_AFTER_EARLIER_DIGESTS
+    before = {name: {k: v for k, v in fields.items() if k not in added[name] or added[name][k] != v}
+              for name, fields in dicts.items()}
+    return list(dict.fromkeys([_digest(dicts), _digest(before)]))
 
 
 # Settings that are paths: they may differ between parts (another checkout, another cache directory), so the journal
@@ -107,9 +142,13 @@ class BenchJournal:
         header: what identifies the run (`journal_header`); JSON types only.
         resume: continue the journal at `path`; its header must equal `header`. Without it a new journal replaces
             any file at `path` when the run starts its prompts (`start_part`, after every check has passed).
+        accepted: other values the journal's header may hold for a setting, keyed by its path in the header, e.g.
+            `{("settings", "drafter_config_sha256", "chainflow"): earlier_config_digests(drafter)}`: the same
+            thing recorded under an earlier rule.
     """
 
-    def __init__(self, path: str | os.PathLike, header: dict, resume: bool = False):
+    def __init__(self, path: str | os.PathLike, header: dict, resume: bool = False,
+                 accepted: dict[tuple[str, ...], list] | None = None):
         self.path = Path(path)
         self.header = json.loads(json.dumps({"type": "header", **header}))  # JSON-normalised, for comparison
         self.done: dict[str, dict] = {}
@@ -145,6 +184,13 @@ class BenchJournal:
             logger.warning(f"{str(self.path)!r} predates `drafter_config_sha256`: the drafters are checked by their "
                            "weights only; make sure their config.json and generation_config.json are unchanged.")
         changed = _differences(lines[0], expected)
+        for keys, values in (accepted or {}).items():
+            held = lines[0]
+            for key in keys:
+                held = held.get(key) if isinstance(held, dict) else None
+            if ".".join(keys) in changed and held in values:
+                changed.remove(".".join(keys))
+                logger.info(f"{str(self.path)!r}: {'.'.join(keys)} recorded under an earlier rule; accepted.")
         if changed:
             raise ValueError(f"`--resume`: this run's settings differ from the journal at {str(self.path)!r} in "
                              f"{changed}. A resumed run must repeat the same command; start anew without "
@@ -189,5 +235,5 @@ class BenchJournal:
         self.done[prompt_id] = json.loads(json.dumps(line))
 
 
-__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "config_digest", "journal_header", "run_from_dict",
-           "run_to_dict", "weights_digest"]
+__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "config_digest", "earlier_config_digests",
+           "journal_header", "run_from_dict", "run_to_dict", "weights_digest"]

@@ -99,5 +99,5 @@ def machine_info() -> dict:
     return info
 
 
-__all__ = ["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "demo_dtype", "lacks_bf16_matrix_instructions",
-           "machine_info"]
+__all__ = ["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "demo_dtype",
+           "lacks_bf16_matrix_instructions", "machine_info"]

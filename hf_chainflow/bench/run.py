@@ -17,7 +17,8 @@ import torch
 from ..stats import SpeculativeStats
 from .arms import Arm, Run, build_arms, configure_drafter, run_arm
 from .defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
-from .journal import BenchJournal, config_digest, journal_header, run_from_dict, weights_digest
+from .journal import (BenchJournal, config_digest, earlier_config_digests, journal_header, run_from_dict,
+                      weights_digest)
 from .machine import machine_info
 from .numerics import explain_mismatch
 from .prompts import BenchPrompt, choose_prompts, default_prompts_path, tokenize_prompts
@@ -106,7 +107,11 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         "warmup_max_new_tokens": warmup_tokens if warmup is not None else None, "greedy": True, "batch_size": 1,
         "arms": {a.key: {"kind": a.kind, "dtype": a.dtype, "drafter": a.drafter, **a.settings} for a in arms},
         **(settings or {})}
-    log = BenchJournal(journal, journal_header(run_settings, prompts), resume=resume) if journal is not None else None
+    # a journal written before the config-digest rule of 2026-12-07 holds the drafters' digests under the earlier one
+    accepted = {("settings", "drafter_config_sha256", name): earlier_config_digests(next(iter(drafters[name].values())))
+                for name in run_settings.get("drafter_config_sha256", {}) if drafters.get(name)}
+    log = (BenchJournal(journal, journal_header(run_settings, prompts), resume=resume, accepted=accepted)
+           if journal is not None else None)
     done = log.done if log is not None else {}
     total = len(prompts)
     if partial:
