@@ -151,11 +151,13 @@ def main():
         print(f"{name:48s} {ms:10.2f}")
 
 
-def answered_windows(target, tokenizer, num_prompts: int, context: int, new_tokens: int = 64):
+def answered_windows(target, tokenizer, num_prompts: int, context: int, new_tokens: int = 64, layers=()):
     """Windows of real target states: `num_prompts` evaluation prompts (one per domain first) answered greedily by
     the target, then run once through it; every answer position with `context` states before it is one window
-    `(states (1, C, D), committed ids (1, L))`."""
+    `(states (1, C, D), committed ids (1, L))`; with `layers` (0-based decoder layers), the states are the final
+    ones followed by those layers' outputs, `(1, C, (1 + n) D)` (`select_target_states`)."""
     from hf_chainflow.bench.prompts import load_prompts, stratified_selection
+    from hf_chainflow.verification import select_target_states
 
     windows = []
     with torch.inference_mode():
@@ -166,7 +168,8 @@ def answered_windows(target, tokenizer, num_prompts: int, context: int, new_toke
             gen = target.generation_config
             ids = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                   do_sample=False, pad_token_id=gen.pad_token_id or gen.eos_token_id)  # (1, L)
-            h = target(input_ids=ids, output_hidden_states=True).hidden_states[-1]  # (1, L, D)
+            h = select_target_states(target(input_ids=ids, output_hidden_states=True).hidden_states, layers)
+            # h: (1, L, D), or (1, L, (1 + n) D) with layers
             start = ids.shape[1] - new_tokens
             for t in range(max(start, context - 1), ids.shape[1] - 1):
                 windows.append((h[:, t - context + 1: t + 1].clone(), ids[:, : t + 2]))

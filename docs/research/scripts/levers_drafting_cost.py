@@ -23,13 +23,12 @@ import time
 
 import torch
 
+from benchmark_drafting import answered_windows  # this folder: evaluation prompts answered, one window a position
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench.machine import machine_info
-from hf_chainflow.bench.prompts import load_prompts, stratified_selection
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.settings import SpeculativeSettings
 from hf_chainflow.targets import load_target
-from hf_chainflow.verification import select_target_states
 
 LAYERS = [1, 14, 26]  # the levers arms' fused layers (0-based decoder layers)
 ARMS = {"R": "R / P (shipped)", "B": "B (bonus embedding)", "L": "L (layers 1, 14, 26)", "BL": "BL (both)"}
@@ -52,23 +51,6 @@ def grown(drafter: ChainFlowDrafter, target, *, bonus: bool, layers: list[int] |
     return new.eval()
 
 
-def answered_windows(target, tokenizer, num_prompts: int, context: int, new_tokens: int = 64):
-    """`(states (1, C, 4D), ids (1, L))` per answer position: the final states followed by layers 1, 14, 26."""
-    windows = []
-    with torch.inference_mode():
-        for row in stratified_selection(load_prompts(), num_prompts):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                                add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)["input_ids"][:, -512:]  # (1, P)
-            gen = target.generation_config
-            ids = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  do_sample=False, pad_token_id=gen.pad_token_id or gen.eos_token_id)  # (1, L)
-            h = select_target_states(target(input_ids=ids, output_hidden_states=True).hidden_states, LAYERS)
-            for t in range(max(ids.shape[1] - new_tokens, context - 1), ids.shape[1] - 1):  # h: (1, L, 4D)
-                windows.append((h[:, t - context + 1: t + 1].clone(), ids[:, : t + 2]))
-    return windows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target dtype")
@@ -81,7 +63,7 @@ def main() -> None:
 
     target, tokenizer = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
     shipped = ChainFlowDrafter.from_pretrained(default_drafter_path(), target=target).eval()
-    windows = answered_windows(target, tokenizer, args.prompts, shipped.context_size)
+    windows = answered_windows(target, tokenizer, args.prompts, shipped.context_size, layers=LAYERS)  # (1, C, 4D)
     all_states = torch.cat([w[0] for w in windows], 1)  # (1, N*C, 4D)
     D = shipped.config.target_hidden_size
     arms = {ARMS["R"]: shipped,
