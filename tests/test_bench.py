@@ -589,6 +589,7 @@ def test_demo_dtype_is_float32_only_where_bf16_instructions_are_known_missing():
     assert demo_dtype({"amx_tile": True, "avx512_bf16": False}) == "bfloat16"
     assert demo_dtype({"amx_tile": False, "avx512_bf16": True}) == "bfloat16"
     assert demo_dtype({"amx_tile": False, "avx512_bf16": None}) == "bfloat16"  # unknown: no claim
+    assert demo_dtype({}) == "bfloat16" and not lacks_bf16_matrix_instructions({})  # no probe at all: no claim
     assert (demo_dtype() == "float32") == lacks_bf16_matrix_instructions()
 
 

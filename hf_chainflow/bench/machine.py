@@ -27,9 +27,9 @@ def bf16_matrix_instructions() -> dict[str, bool | None]:
 
 def lacks_bf16_matrix_instructions(bf16_support: dict[str, bool | None] | None = None) -> bool:
     """Whether this CPU is known to lack every native bfloat16 matrix instruction: `False` when torch has no probe for
-    one (no claim is made then). Default: `bf16_matrix_instructions()`."""
+    one of them (no claim is made then). Default: `bf16_matrix_instructions()`."""
     bf16_support = bf16_matrix_instructions() if bf16_support is None else bf16_support
-    return all(v is False for v in bf16_support.values())
+    return bool(bf16_support) and all(v is False for v in bf16_support.values())
 
 
 def demo_dtype(bf16_support: dict[str, bool | None] | None = None) -> str:

@@ -108,8 +108,9 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         "arms": {a.key: {"kind": a.kind, "dtype": a.dtype, "drafter": a.drafter, **a.settings} for a in arms},
         **(settings or {})}
     # a journal written before the config-digest rule of 2026-12-07 holds the drafters' digests under the earlier one
-    accepted = {("settings", "drafter_config_sha256", name): earlier_config_digests(next(iter(drafters[name].values())))
-                for name in run_settings.get("drafter_config_sha256", {}) if drafters.get(name)}
+    digested = run_settings.get("drafter_config_sha256", {})
+    accepted = {("settings", "drafter_config_sha256", name): earlier_config_digests(next(iter(by_dtype.values())))
+                for name, by_dtype in drafters.items() if name in digested and by_dtype}
     log = (BenchJournal(journal, journal_header(run_settings, prompts), resume=resume, accepted=accepted)
            if journal is not None else None)
     done = log.done if log is not None else {}
