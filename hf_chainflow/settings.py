@@ -239,8 +239,8 @@ class SpeculativeSettings:
     @property
     def sample_drafts(self) -> bool:
         """Whether the drafter samples its draft from `q`: plain chains only (accepted with `min(1, p/q)`). Trees and
-        lookup branches (prompt or corpus) are drafted greedily and accepted child by child (`accept_sampling_tree`), which needs no
-        `q`."""
+        lookup branches (prompt or corpus) are drafted greedily and accepted child by child (`accept_sampling_tree`),
+        which needs no `q`."""
         return self.do_sample and self.mode == "chain" and not self.has_lookup
 
     @property
@@ -258,8 +258,8 @@ class SpeculativeSettings:
 
     def needs_own_loop(self, model, generation_config, stopping_criteria) -> bool:
         """Whether the call runs in hf_chainflow's own loop (`speculative_generate`) rather than transformers'
-        assisted loop: trees, a lookup branch (prompt or corpus), stateful targets, stop strings and custom stopping criteria (a
-        multi-token commit in transformers' loop could overshoot them)."""
+        assisted loop: trees, a lookup branch (prompt or corpus), stateful targets, stop strings and custom stopping
+        criteria (a multi-token commit in transformers' loop could overshoot them)."""
         return (self.mode == "tree" or self.has_lookup or is_stateful_target(model)
                 or generation_config.stop_strings is not None or bool(stopping_criteria))
 

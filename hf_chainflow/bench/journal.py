@@ -59,12 +59,12 @@ def weights_digest(model) -> str:
 
 _DIGEST_SKIP = ("_name_or_path", "transformers_version", "_from_model_config")  # paths and library versions
 
-# Fields added after journals began to record config digests, with the defaults that draft as before. The rule
+# Fields added after journals began to record config digests, each with a default that drafts as before. The rule
 # before 2026-12-07 counted every field a config held, so the digest of a journal written then lacks them
 # (`earlier_config_digests`); today's rule leaves out every field at its default, so this list does not grow.
 _FIELDS_ADDED_AFTER_EARLIER_DIGESTS = {
-    "config": {"continuation_table_size": 0, "continuation_min_ngram": 2, "continuation_max_ngram": 4},
-    "generation_config": {"corpus_lookup_num_tokens": None}}
+    "config": ("continuation_table_size", "continuation_min_ngram", "continuation_max_ngram"),
+    "generation_config": ("corpus_lookup_num_tokens",)}
 
 
 def _digest(dicts: dict) -> str:
@@ -73,6 +73,12 @@ def _digest(dicts: dict) -> str:
 
 def _jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def _class_defaults(config) -> dict:
+    """A config's class defaults (a field the class does not define, such as a drafting field of a generation
+    config, reads as `None` through `.get`)."""
+    return _jsonable(type(config)().to_dict())
 
 
 def config_digest(model) -> str:
@@ -88,7 +94,7 @@ def config_digest(model) -> str:
     for name in ("config", "generation_config"):
         config = getattr(model, name, None)
         if config is not None:
-            values, defaults = _jsonable(config.to_dict()), _jsonable(type(config)().to_dict())
+            values, defaults = _jsonable(config.to_dict()), _class_defaults(config)
             dicts[name] = {k: v for k, v in values.items() if k not in _DIGEST_SKIP and defaults.get(k) != v}
     return _digest(dicts)
 
@@ -99,9 +105,11 @@ def earlier_config_digests(model) -> list[str]:
     then holds one of them; `run_bench` accepts it on resume (`BenchJournal(accepted=...)`)."""
     dicts = {name: {k: v for k, v in getattr(model, name).to_diff_dict().items() if k not in _DIGEST_SKIP}
              for name in ("config", "generation_config") if getattr(model, name, None) is not None}
-    added = _FIELDS_ADDED_AFTER_EARLIER_DIGESTS
-    before = {name: {k: v for k, v in fields.items() if k not in added[name] or added[name][k] != v}
-              for name, fields in dicts.items()}
+    before = {}
+    for name, fields in dicts.items():  # the added fields left out where they hold their defaults
+        defaults = _class_defaults(getattr(model, name))
+        before[name] = {k: v for k, v in fields.items()
+                        if k not in _FIELDS_ADDED_AFTER_EARLIER_DIGESTS[name] or defaults.get(k) != v}
     return list(dict.fromkeys([_digest(dicts), _digest(before)]))
 
 
