@@ -311,6 +311,45 @@ def test_a_journal_with_earlier_config_digests_resumes(tmp_path):
         assert journal.read_bytes() == before
 
 
+def test_a_resume_on_another_kind_of_cpu_is_warned_of_and_reported(tmp_path, monkeypatch, caplog):
+    """A part on another kind of CPU than an earlier part's still runs (each prompt compares its arms side by side)
+    but is warned of, and the results and their `results.md` list each part's kind; a part on the same kind, or an
+    earlier part that recorded fewer fields (a journal from before them), changes nothing."""
+    from hf_chainflow.bench import run as bench_run
+
+    zen4 = {"cpu_vendor": "AuthenticAMD", "cpu_family": 25, "cpu_model": 17, "cpu_count": 2,
+            "cpu_capability": "AVX512", "bf16_matrix_instructions": {"amx_tile": False, "avx512_bf16": True}}
+    here = dict(zen4)
+    monkeypatch.setattr(bench_run, "machine_info", lambda: dict(here))
+    target = tiny_target("llama", num_layers=2)
+    models, prompts = {"float32": target}, _prompts(target.config.vocab_size)[:3]
+    arms = build_arms(["float32"], {}, pld_tokens=4, only=["ar", "pld"])
+    kw = dict(max_new_tokens=4, pad_token_id=0, progress=False)
+    journal = tmp_path / "runs.jsonl"
+    run_bench(models, prompts, arms, journal=journal, **kw)
+    lines = journal.read_text().splitlines()
+
+    def resume_last_prompt(earlier_machine: dict) -> tuple[dict, str]:
+        part = json.loads(lines[1])
+        journal.write_text("\n".join([lines[0], json.dumps({**part, "machine": earlier_machine}), *lines[2:-1]]) + "\n")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
+            results = run_bench(models, prompts, arms, journal=journal, resume=True, **kw)
+        return results, caplog.text
+
+    results, warned = resume_last_prompt(zen4)
+    assert "part_cpu_kinds" not in results["settings"] and "another kind of CPU" not in warned
+    here.update(cpu_model=1, cpu_capability="AVX2", bf16_matrix_instructions={"amx_tile": False, "avx512_bf16": False})
+    results, warned = resume_last_prompt({k: zen4[k] for k in ("cpu_vendor", "cpu_family", "cpu_count")})
+    assert "part_cpu_kinds" not in results["settings"] and "another kind of CPU" not in warned  # fields it lacks
+    results, warned = resume_last_prompt(zen4)
+    assert "another kind of CPU than part 0 (cpu_model 1 against 17, cpu_capability 'AVX2' against 'AVX512'" in warned
+    assert results["settings"]["parts"] == 2 and results["arms"]["pld@float32"]["prompts"] == 3
+    assert [(k["part"], k["cpu_model"]) for k in results["settings"]["part_cpu_kinds"]] == [(0, 17), (1, 1)]
+    table = markdown_table(results)
+    assert "more than one kind of CPU" in table and "| 1 | AuthenticAMD | 25 | 1 | 2 | AVX2 |" in table
+
+
 def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     """A run stopped after two prompts resumes from its journal and summarises like an uninterrupted run; a resume
     with other settings, or without a journal, is refused and leaves the journal as it was."""

@@ -142,6 +142,17 @@ def _differences(old, new, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "(value)"]
 
 
+# The fields of `machine_info` that make two parts' machines one kind of CPU: a prompt's arms always ran side by
+# side, but the pooled figures (time per token summed over prompts) of parts on different kinds mix machines.
+CPU_KIND_FIELDS = ("cpu_vendor", "cpu_family", "cpu_model", "cpu_count", "cpu_capability", "bf16_matrix_instructions")
+
+
+def cpu_kind_differences(earlier: dict, machine: dict) -> list[str]:
+    """The `CPU_KIND_FIELDS` both machines record with different values (a field one of them lacks, as in a
+    journal written before the field existed, makes no difference)."""
+    return [k for k in CPU_KIND_FIELDS if k in earlier and k in machine and earlier[k] != machine[k]]
+
+
 class BenchJournal:
     """Appends a bench run's finished prompts to `path` and reads them back on resume.
 
@@ -161,6 +172,7 @@ class BenchJournal:
         self.header = json.loads(json.dumps({"type": "header", **header}))  # JSON-normalised, for comparison
         self.done: dict[str, dict] = {}
         self.parts = 0
+        self.part_machines: dict[int, dict] = {}  # part -> its machine (`machine_info`), as journaled
         self._started = False
         if not resume:
             return
@@ -214,6 +226,7 @@ class BenchJournal:
         for line in lines[1:]:
             if line["type"] == "part":
                 self.parts = max(self.parts, int(line["part"]) + 1)
+                self.part_machines[int(line["part"])] = line.get("machine", {})
             elif line["type"] == "prompt":
                 self.done[line["id"]] = line
         self._started = True
@@ -225,15 +238,33 @@ class BenchJournal:
             os.fsync(f.fileno())
 
     def start_part(self, machine: dict) -> int:
-        """Record that this invocation runs prompts; returns its part number."""
+        """Record that this invocation runs prompts; returns its part number. Warns where `machine` is another kind
+        of CPU than an earlier part's (`CPU_KIND_FIELDS`): the run goes on, and `mixed_cpu_kinds` says so."""
+        for earlier, held in sorted(self.part_machines.items()):
+            differ = cpu_kind_differences(held, machine)
+            if differ:
+                logger.warning(f"{str(self.path)!r}: this part runs on another kind of CPU than part {earlier} ("
+                               + ", ".join(f"{k} {machine[k]!r} against {held[k]!r}" for k in differ)
+                               + "). Each prompt still compares its arms side by side, but the pooled figures will "
+                               "mix machines; resume on part " + str(earlier) + "'s kind of CPU to keep one.")
+                break
         if not self._started:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._write(self.header, mode="w")
             self._started = True
         part = self.parts
         self._write({"type": "part", "part": part, "machine": machine, "started": time.time()})
+        self.part_machines[part] = machine
         self.parts += 1
         return part
+
+    def mixed_cpu_kinds(self) -> list[dict]:
+        """Each part's kind of CPU (`{"part", **CPU_KIND_FIELDS}`) where the parts ran on more than one kind, else
+        `[]`."""
+        parts = sorted(self.part_machines.items())
+        if not any(cpu_kind_differences(parts[0][1], m) for _, m in parts[1:]):
+            return []
+        return [{"part": k, **{f: m.get(f) for f in CPU_KIND_FIELDS}} for k, m in parts]
 
     def add(self, part: int, prompt_id: str, wall: float, record: dict, runs: dict, details: dict) -> None:
         """Append one finished prompt: `runs` maps an arm key to its `Run`, `details` to its mismatch (or None)."""

@@ -51,6 +51,19 @@ def same_length_summary(results: dict) -> dict[str, dict]:
     return out
 
 
+def _mixed_cpu_note(settings: dict) -> list[str]:
+    """The lines saying that a resumed run's parts ran on different kinds of CPU (none where they did not)."""
+    kinds = settings.get("part_cpu_kinds")
+    if not kinds:
+        return []
+    rows = ["| part | " + " | ".join(k for k in kinds[0] if k != "part") + " |",
+            "|---" * len(kinds[0]) + "|"]
+    rows += ["| " + " | ".join(json.dumps(v) if isinstance(v, dict) else str(v) for v in kind.values()) + " |"
+             for kind in kinds]
+    return ["**The parts ran on more than one kind of CPU.** Each prompt's arms ran side by side, but the pooled "
+            "figures mix machines:", "", *rows, ""]
+
+
 def markdown_table(results: dict) -> str:
     """`results.md`: the arms, speedup per domain, acceptance per depth, settings and machine."""
     arms, domains = results["arms"], results["domains"]
@@ -63,7 +76,7 @@ def markdown_table(results: dict) -> str:
     lines += [f"{count} prompts, {results['settings']['max_new_tokens']} new tokens max, "
               f"greedy, batch 1, arms interleaved per prompt; wall time {results['wall_time']:.0f} s"
               + (f" in {results['settings']['parts']} parts (resumed, `runs.jsonl`)."
-                 if results["settings"].get("parts", 1) > 1 else "."), "",
+                 if results["settings"].get("parts", 1) > 1 else "."), "", *_mixed_cpu_note(results["settings"]),
               "| arm | dtype | tok/s | speedup | vs fastest ar | tau | draft ms/round | draft / ar step "
               "| verify ms/round | mismatches | near-ties | unexplained |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -183,7 +183,8 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     bar.close()
 
     if log is not None:
-        run_settings = {**run_settings, "parts": log.parts}
+        mixed = log.mixed_cpu_kinds()
+        run_settings = {**run_settings, "parts": log.parts, **({"part_cpu_kinds": mixed} if mixed else {})}
     results = summarise(arms, runs, details, per_prompt, prompts, settings=run_settings, machine=info,
                         wall_time=earlier_wall + time.perf_counter() - started)
     if partial:
