@@ -262,7 +262,7 @@ class BenchJournal:
         """Each part's kind of CPU (`{"part", **CPU_KIND_FIELDS}`) where the parts ran on more than one kind, else
         `[]`."""
         parts = sorted(self.part_machines.items())
-        if not any(cpu_kind_differences(parts[0][1], m) for _, m in parts[1:]):
+        if len(parts) < 2 or not any(cpu_kind_differences(parts[0][1], m) for _, m in parts[1:]):
             return []
         return [{"part": k, **{f: m.get(f) for f in CPU_KIND_FIELDS}} for k, m in parts]
 
