@@ -349,6 +349,19 @@ def test_a_resume_on_another_kind_of_cpu_is_warned_of_and_reported(tmp_path, mon
     table = markdown_table(results)
     assert "more than one kind of CPU" in table and "| 1 | AuthenticAMD | 25 | 1 | 2 | AVX2 |" in table
 
+    # Parts 1 and 2 differ though neither differs from a part 0 that recorded fewer fields: warned and reported.
+    from hf_chainflow.bench.journal import BenchJournal
+
+    log = BenchJournal(tmp_path / "three.jsonl", {"settings": {}})
+    log.start_part({"cpu_vendor": "AuthenticAMD"})
+    log.start_part(zen4)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
+        log.start_part(here)
+    assert "than part 1 (cpu_model 1 against 17" in caplog.text
+    assert [k["cpu_model"] for k in log.mixed_cpu_kinds()] == [None, 17, 1]
+    assert BenchJournal(tmp_path / "none.jsonl", {"settings": {}}).mixed_cpu_kinds() == []
+
 
 def test_run_bench_journal_resumes_an_interrupted_run(tmp_path):
     """A run stopped after two prompts resumes from its journal and summarises like an uninterrupted run; a resume

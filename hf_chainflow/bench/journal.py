@@ -259,10 +259,10 @@ class BenchJournal:
         return part
 
     def mixed_cpu_kinds(self) -> list[dict]:
-        """Each part's kind of CPU (`{"part", **CPU_KIND_FIELDS}`) where the parts ran on more than one kind, else
-        `[]`."""
+        """Each part's kind of CPU (`{"part", **CPU_KIND_FIELDS}`) where two parts ran on different kinds (the rule
+        `start_part` warns by), else `[]`."""
         parts = sorted(self.part_machines.items())
-        if len(parts) < 2 or not any(cpu_kind_differences(parts[0][1], m) for _, m in parts[1:]):
+        if not any(cpu_kind_differences(a, b) for i, (_, a) in enumerate(parts) for _, b in parts[i + 1:]):
             return []
         return [{"part": k, **{f: m.get(f) for f in CPU_KIND_FIELDS}} for k, m in parts]
 
