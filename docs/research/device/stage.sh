@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issues 39 and 40 on a lent NVIDIA H100/H200 (the runbook: docs/research/device/README.md).
-#   LONG        the shipped round-14 drafter trained on over the whole train split of the corpus (30,929 responses),
+#   LONG        the shipped round-14 drafter trained on over the whole train split of the corpus (36,433 responses),
 #               on fresh windows, for as many steps as the time allows (issue 39)
 #   DF, FM, CF  the DFlash, FlashMap-style and ChainFlow stage-1 recipes on the same responses with the same steps
 #               and batch (issue 40)
@@ -19,7 +19,8 @@
 #   3.3 steps/s or more, about 1,700 windows/s.
 # - batch 64, one thread, nine trainings side by side: DFlash 6.9 steps/s, FlashMap-style 7.1, ChainFlow stage 1
 #   about 6.5 counting its 600 VAE pre-training steps (train-DF1.log, train-FM1.log, train-CF1.log).
-# - the train split holds 4.66 M windows, 19,256 a shard (about 150 a response).
+# - the train split held 4.66 M windows at 30,929 responses, 19,256 a shard (about 150 a response); the 5,504
+#   responses added since (36,433, 285 shards) hold 1.06 M more response tokens.
 # Sizing rules:
 # - LONG reads the whole train split (F), prepared by PARTS_F + 1 processes side by side over shard ranges so that
 #   it is ready after about a minute, not 495 s; it trains RATE_LONG x (the time left - 20 s of start-up) steps, its

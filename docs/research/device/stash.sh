@@ -24,9 +24,10 @@ PARK=${PARK:-/tmp/device-park}
 MIB=$((1024 * 1024))
 LIMIT=$((64 * MIB))      # the working tree that travels per call, carried paths included
 MARGIN=$((1 * MIB))      # headroom for files that appear between staging and the calls
-# The tracked folders the calls leave behind, and those of them the main call needs (it carries copies).
-PARKED="docs/research/results corpus/smollm2-135m-instruct hf_chainflow/checkpoints/smollm2-135m-instruct
-hf_chainflow/checkpoints/smollm2-135m-instruct-flashmap"
+# The tracked folders the calls leave behind, and those of them the main call needs (it carries copies): the
+# research records, the corpus and every shipped checkpoint folder (a checkpoint added later is parked too).
+PARKED="docs/research/results corpus/smollm2-135m-instruct
+$(git -C "$ROOT" ls-files hf_chainflow/checkpoints | awk -F/ 'NF > 3 {print $1 "/" $2 "/" $3}' | sort -u)"
 NEEDED="corpus/smollm2-135m-instruct hf_chainflow/checkpoints/smollm2-135m-instruct"
 
 tree_bytes() {  # bytes that would travel now, without the parked folders when $1 = parked
