@@ -226,6 +226,36 @@ def test_journal_drops_a_cut_last_line_and_refuses_a_broken_middle_line(tmp_path
     assert path.read_bytes() == before
 
 
+def test_journal_keeps_finished_prompts_unless_told_to_overwrite(tmp_path, caplog):
+    """A new journal over one holding finished prompts is refused (nothing written) unless `overwrite`, which
+    replaces it whole when the run starts its prompts; a journal with none is replaced; both flags are refused."""
+    from hf_chainflow.bench.journal import BenchJournal
+
+    path = tmp_path / "runs.jsonl"
+    header = {"settings": {"a": 1}, "prompt_ids": ["x", "y"], "prompt_tokens_sha256": "0"}
+    BenchJournal(path, header).start_part({"m": 1})
+    BenchJournal(path, header).start_part({"m": 2})  # no finished prompt: replaced
+    assert [json.loads(x)["type"] for x in path.read_text().splitlines()] == ["header", "part"]
+    journal = BenchJournal(path, header, resume=True)
+    journal.add(journal.start_part({"m": 3}), "x", 1.0, {}, {}, {})
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"already holds a bench journal \(runs.jsonl\) with 1 finished prompt of 2; "
+                                         r"a new run would discard it"):
+        BenchJournal(path, header)
+    with pytest.raises(ValueError, match="contradict each other"):
+        BenchJournal(path, header, resume=True, overwrite=True)
+    fresh = BenchJournal(path, header, overwrite=True)
+    assert path.read_bytes() == before  # nothing replaced until the run starts its prompts
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
+        fresh.start_part({"m": 4})
+    assert "discarding its 1 finished prompt." in caplog.text
+    assert [json.loads(x)["type"] for x in path.read_text().splitlines()] == ["header", "part"]
+    target = tiny_target("llama", num_layers=2)
+    twice = _prompts(target.config.vocab_size)[:2] * 2
+    with pytest.raises(ValueError, match=r"Prompt ids must be unique .* got \['p0', 'p1'\] more than once"):
+        run_bench({"float32": target}, twice, [Arm("ar", "ar", "float32")], progress=False)
+
+
 def test_a_journal_from_before_config_digests_resumes_with_a_warning(tmp_path, caplog):
     """The committed 320-prompt journal has no `drafter_config_sha256`: it still resumes (weights and every other
     setting checked), with a warning that the configs could not be; any other difference is still refused."""

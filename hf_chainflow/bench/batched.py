@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import atomic_write_text
 from .arms import Arm, configure_drafter
 from .numerics import explain_mismatch
 from .prompts import BenchPrompt
@@ -181,8 +182,8 @@ def write_batched_results(results: dict, output_dir) -> dict[str, Path]:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "batched_results.json", "markdown": out / "batched_results.md"}
-    paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
-    paths["markdown"].write_text(batched_table(results))
+    atomic_write_text(paths["json"], json.dumps(results, indent=1, default=str) + "\n")
+    atomic_write_text(paths["markdown"], batched_table(results))
     return paths
 
 

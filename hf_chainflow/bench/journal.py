@@ -13,7 +13,9 @@ Lines (`"type"` tells them apart):
     {"type": "prompt", "part": k, "id": ..., "wall": s, "record": {...}, "runs": {ARM: run}, "details": {ARM: d}}
 
 A prompt interrupted half-way leaves no line and runs again on resume; so does one whose line a kill cut short
-(an unparsable last line is dropped, with a warning, and the file truncated before it).
+(an unparsable last line is dropped, with a warning, and the file truncated before it). Any other bad line is
+refused with its line number. A new run does not replace a journal holding finished prompts unless told to
+(`overwrite`); its header replaces the old file atomically (`hf_chainflow.fileio.atomic_write_text`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import atomic_write_text
 from ..stats import SpeculativeStats
 from .arms import Run
 from .defaults import JOURNAL_NAME
@@ -153,86 +156,190 @@ def cpu_kind_differences(earlier: dict, machine: dict) -> list[str]:
     return [k for k in CPU_KIND_FIELDS if k in earlier and k in machine and earlier[k] != machine[k]]
 
 
+# The keys each kind of journal line needs (a header is checked against this run's own, field by field).
+_LINE_KEYS = {"header": (), "part": ("part",), "prompt": ("part", "id", "wall", "record", "runs", "details")}
+
+
+def _bad_line(path: Path, number: int, what: str) -> ValueError:
+    return ValueError(f"{str(path)!r} line {number} {what}; only the last line can be cut short by a killed run. "
+                      "Repair or delete that line (then rerun with `--resume`), or start over with `--overwrite` "
+                      "(the journal's finished prompts are then discarded), or choose another `--output-dir`.")
+
+
+def _check_line(path: Path, number: int, obj, first: bool) -> None:
+    """A parsed journal line: the header first, then part and prompt lines with their keys; else refused."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    if first and kind != "header":
+        raise ValueError(f"{str(path)!r} is not a bench journal (its line {number} is not a header line); choose "
+                         "another `--output-dir`, or start over there with `--overwrite`.")
+    if kind not in ("part", "prompt") and not first:
+        raise _bad_line(path, number, "is not a journal line (a JSON object of type part or prompt)")
+    missing = [k for k in _LINE_KEYS[kind] if k not in obj]
+    if missing:
+        raise _bad_line(path, number, f"(a {kind} line) lacks {missing}")
+
+
+def read_journal(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """The lines of the journal at `path` (header first) and the bytes they span. An unparsable last line (a kill
+    mid-append) is left out of both; any other bad line, a first line that is not a header and a prompt journaled
+    twice are refused with a `ValueError` naming the file and the line. An empty file (or one whose only line was cut
+    short) gives `[]`."""
+    path = Path(path)
+    raw = path.read_bytes().splitlines(keepends=True)
+    lines, keep, seen = [], 0, {}  # seen: prompt id -> its line
+    for number, line in enumerate(raw, 1):
+        if line.strip():
+            try:
+                obj = json.loads(line)
+            except ValueError as err:
+                if any(rest.strip() for rest in raw[number:]):
+                    raise _bad_line(path, number, f"is not valid JSON ({err})") from None
+                break
+            _check_line(path, number, obj, first=not lines)
+            if obj["type"] == "prompt":
+                if obj["id"] in seen:
+                    raise _bad_line(path, number, f"journals prompt {obj['id']!r} again (first on line "
+                                                  f"{seen[obj['id']]})")
+                seen[obj["id"]] = number
+            lines.append(obj)
+        keep += len(line)
+    return lines, keep
+
+
+def finished_prompts(lines: list[dict]) -> dict[str, dict]:
+    """The prompt lines of a journal (`read_journal`), by id."""
+    return {line["id"]: line for line in lines if line["type"] == "prompt"}
+
+
+def check_journal(path: str | os.PathLike, *, resume: bool, overwrite: bool = False) -> int:
+    """What a run may do with the journal at `path`, checked before anything loads; returns how many finished
+    prompts it holds (`-1`: unreadable, with `overwrite`).
+
+    - `resume`: the journal must exist and be readable (its header is compared later, once the run's is known).
+    - neither: a journal holding finished prompts is refused (a new journal would discard them), naming the folder,
+      the count and the two ways on; one with none (a run stopped before its first prompt finished) is replaced.
+    - `overwrite`: any journal is replaced when the run starts its prompts.
+    """
+    path = Path(path)
+    if resume and overwrite:
+        raise ValueError("`--resume` and `--overwrite` contradict each other: `--resume` continues the journal in "
+                         "`--output-dir`, `--overwrite` discards it and starts a fresh one; give one of them.")
+    if not path.is_file():
+        if resume:
+            raise ValueError(f"`--resume` found no journal at {str(path)!r}: run the bench once without `--resume` "
+                             "(with the same `--output-dir`) to start one.")
+        return 0
+    if overwrite:
+        try:
+            return len(finished_prompts(read_journal(path)[0]))
+        except ValueError:
+            return -1
+    lines, _ = read_journal(path)
+    done = finished_prompts(lines)
+    if done and not resume:
+        total = len(lines[0].get("prompt_ids") or [])
+        them = "them" if len(done) > 1 else "it"
+        raise ValueError(f"`--output-dir` {str(path.parent)!r} already holds a bench journal ({path.name}) with "
+                         f"{_finished(len(done))}" + (f" of {total}" if total else "") + f"; a new run would discard "
+                         f"{them}. Add `--resume` to continue that run (repeat its command), or `--overwrite` to "
+                         f"discard {them} and start a fresh journal, or choose another `--output-dir`.")
+    return len(done)
+
+
+def _finished(n: int) -> str:
+    return f"{n} finished prompt{'s' if n != 1 else ''}"
+
+
 class BenchJournal:
     """Appends a bench run's finished prompts to `path` and reads them back on resume.
 
     Args:
         path: the journal file (`runs.jsonl` in the bench's output directory).
         header: what identifies the run (`journal_header`); JSON types only.
-        resume: continue the journal at `path`; its header must equal `header`. Without it a new journal replaces
-            any file at `path` when the run starts its prompts (`start_part`, after every check has passed).
+        resume: continue the journal at `path`; its header must equal `header`. Without it a journal at `path` that
+            holds finished prompts is refused unless `overwrite` (`check_journal`); the new journal replaces the
+            file atomically when the run starts its prompts (`start_part`, after every check has passed).
+        overwrite: start a fresh journal even where `path` holds finished prompts (they are discarded, with a
+            warning, when the run starts its prompts).
         accepted: other values the journal's header may hold for a setting, keyed by its path in the header, e.g.
             `{("settings", "drafter_config_sha256", "chainflow"): earlier_config_digests(drafter)}`: the same
             thing recorded under an earlier rule.
     """
 
     def __init__(self, path: str | os.PathLike, header: dict, resume: bool = False,
-                 accepted: dict[tuple[str, ...], list] | None = None):
+                 accepted: dict[tuple[str, ...], list] | None = None, overwrite: bool = False):
         self.path = Path(path)
         self.header = json.loads(json.dumps({"type": "header", **header}))  # JSON-normalised, for comparison
         self.done: dict[str, dict] = {}
         self.parts = 0
         self.part_machines: dict[int, dict] = {}  # part -> its machine (`machine_info`), as journaled
         self._started = False
-        if not resume:
-            return
-        if not self.path.is_file():
-            raise ValueError(f"`--resume` found no journal at {str(self.path)!r}: run the bench once without "
-                             "`--resume` (with the same `--output-dir`) to start one.")
-        raw = self.path.read_bytes().splitlines(keepends=True)
-        lines, keep = [], 0  # the parsed lines, and the bytes they span
-        for number, line in enumerate(raw, 1):
-            try:
-                if line.strip():
-                    lines.append(json.loads(line))
-            except ValueError as err:
-                if any(rest.strip() for rest in raw[number:]):
-                    raise ValueError(f"{str(self.path)!r} line {number} is not valid JSON ({err}); only the last "
-                                     "line can be cut short by a killed run. Repair or delete that line, or start "
-                                     "anew without `--resume`.") from None
-                break
-            keep += len(line)
-        if not lines or lines[0].get("type") != "header":
-            raise ValueError(f"{str(self.path)!r} is not a bench journal (its first line is not a header); "
-                             "choose another `--output-dir` or start anew without `--resume`.")
+        self._replaces = check_journal(self.path, resume=resume, overwrite=overwrite)
+        if resume:
+            self._resume(accepted or {})
+
+    def _resume(self, accepted: dict[tuple[str, ...], list]) -> None:
+        """Read the journal back: its header must equal this run's; a last line cut short is dropped."""
+        lines, keep = read_journal(self.path)
+        if not lines:
+            raise ValueError(f"{str(self.path)!r} holds no journal header (the file is empty, or its only line was "
+                             "cut short): no prompt of it finished. Start anew without `--resume`.")
+        self._check_header(lines[0], accepted)
+        with open(self.path, "r+b") as f:
+            if keep < os.fstat(f.fileno()).st_size:  # a last line cut short: drop it, so the next append starts a line
+                logger.warning(f"{str(self.path)!r}: dropping its last line, cut short by an interrupted write (a "
+                               "prompt it held runs again).")
+                f.truncate(keep)
+            else:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # complete but for its newline
+                    f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done = finished_prompts(lines)
+        for line in lines[1:]:
+            if line["type"] == "part":
+                self.parts = max(self.parts, int(line["part"]) + 1)
+                self.part_machines[int(line["part"])] = line.get("machine", {})
+        self._started = True
+
+    def _check_header(self, held: dict, accepted: dict[tuple[str, ...], list]) -> None:
+        """Refuse a journal whose header differs from this run's (`accepted`: earlier rules' values), naming the
+        fields; the journal is left as it was."""
         expected = self.header
-        if "drafter_config_sha256" not in lines[0].get("settings", {}):
+        if "drafter_config_sha256" not in held.get("settings", {}):
             # A journal from before drafter configs were recorded (the committed 320-prompt run among them): its
             # drafters are still checked by their weights; their configs cannot be, which is said, not hidden.
             expected = json.loads(json.dumps(self.header))
             expected["settings"].pop("drafter_config_sha256", None)
             logger.warning(f"{str(self.path)!r} predates `drafter_config_sha256`: the drafters are checked by their "
                            "weights only; make sure their config.json and generation_config.json are unchanged.")
-        changed = _differences(lines[0], expected)
-        for keys, values in (accepted or {}).items():
-            held = lines[0]
+        changed = _differences(held, expected)
+        for keys, values in accepted.items():
+            value = held
             for key in keys:
-                held = held.get(key) if isinstance(held, dict) else None
-            if ".".join(keys) in changed and held in values:
+                value = value.get(key) if isinstance(value, dict) else None
+            if ".".join(keys) in changed and value in values:
                 changed.remove(".".join(keys))
                 logger.info(f"{str(self.path)!r}: {'.'.join(keys)} recorded under an earlier rule; accepted.")
         if changed:
             raise ValueError(f"`--resume`: this run's settings differ from the journal at {str(self.path)!r} in "
-                             f"{changed}. A resumed run must repeat the same command; start anew without "
-                             "`--resume` or choose another `--output-dir`.")
-        if keep < sum(map(len, raw)):  # a last line cut short: drop it, so that the next append starts a line
-            logger.warning(f"{str(self.path)!r}: dropping its last line, cut short by an interrupted write (a prompt "
-                           "it held runs again).")
-            with open(self.path, "r+b") as f:
-                f.truncate(keep)
-        elif not raw[-1].endswith(b"\n"):  # complete but for its newline
-            with open(self.path, "ab") as f:
-                f.write(b"\n")
-        for line in lines[1:]:
-            if line["type"] == "part":
-                self.parts = max(self.parts, int(line["part"]) + 1)
-                self.part_machines[int(line["part"])] = line.get("machine", {})
-            elif line["type"] == "prompt":
-                self.done[line["id"]] = line
+                             f"{changed}. A resumed run must repeat the same command; start over with `--overwrite` "
+                             "instead of `--resume` (its finished prompts are discarded), or choose another "
+                             "`--output-dir`.")
+
+    def _start_fresh(self) -> None:
+        """Replace any file at `path` by this run's header, atomically (a kill leaves the old journal or the new)."""
+        if self._replaces:
+            held = f"its {_finished(self._replaces)}" if self._replaces > 0 else "its unreadable lines"
+            logger.warning(f"`--overwrite`: starting a fresh journal at {str(self.path)!r}, discarding {held}.")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path, json.dumps(self.header) + "\n")
         self._started = True
 
-    def _write(self, obj: dict, mode: str = "a") -> None:
-        with open(self.path, mode) as f:
+    def _write(self, obj: dict) -> None:
+        """Append one line, flushed to disk (a kill mid-append cuts only this line short)."""
+        with open(self.path, "a") as f:
             f.write(json.dumps(obj) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -249,9 +356,7 @@ class BenchJournal:
                                "mix machines; resume on part " + str(earlier) + "'s kind of CPU to keep one.")
                 break
         if not self._started:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._write(self.header, mode="w")
-            self._started = True
+            self._start_fresh()
         part = self.parts
         self._write({"type": "part", "part": part, "machine": machine, "started": time.time()})
         self.part_machines[part] = machine
@@ -274,5 +379,5 @@ class BenchJournal:
         self.done[prompt_id] = json.loads(json.dumps(line))
 
 
-__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "config_digest", "earlier_config_digests",
-           "journal_header", "run_from_dict", "run_to_dict", "weights_digest"]
+__all__ = ["BenchJournal", "JOURNAL_NAME", "PATH_SETTINGS", "check_journal", "config_digest", "earlier_config_digests",
+           "finished_prompts", "journal_header", "read_journal", "run_from_dict", "run_to_dict", "weights_digest"]

@@ -16,25 +16,47 @@ def default_prompts_path() -> Path:
 
 
 def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
-    """Rows `{id, domain, language, prompt}` of a JSONL file (default: the shipped evaluation prompts)."""
+    """Rows `{id, domain, language, prompt}` of a JSONL file (default: the shipped evaluation prompts).
+
+    A row that does not parse, lacks `id`, `domain` or `prompt`, or repeats an earlier row's `id` is refused with a
+    `ValueError` naming the file and line: the bench journals, resumes and reports each prompt by its id, so two rows
+    of one id would be read back as one. An empty file is refused too."""
     from ..data import parse_jsonl_line
 
     path = Path(path) if path is not None else default_prompts_path()
     if not path.is_file():
         raise ValueError(f"`--prompts` must be a JSONL file, got {str(path)!r}, which does not exist.")
-    rows = []
+    rows, seen = [], {}
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = parse_jsonl_line(line, path, n)
-            missing = [k for k in ("id", "domain", "prompt") if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{n}: every prompt row needs `id`, `domain` and `prompt`; missing {missing}.")
-            rows.append(row)
+            if line.strip():
+                rows.append(_checked_row(parse_jsonl_line(line, path, n), path, n, seen))
     if not rows:
-        raise ValueError(f"`--prompts` file {str(path)!r} holds no rows.")
+        raise ValueError(f"`--prompts` file {str(path)!r} holds no prompt rows (it is empty or blank); give a JSONL "
+                         "file with one object `{\"id\", \"domain\", \"prompt\"}` per line.")
     return rows
+
+
+def _checked_row(row: dict, path: Path, n: int, seen: dict[str, int]) -> dict:
+    """`row` (line `n` of `path`) if it has a usable, unused `id`, a `domain` and a `prompt`; `seen` maps each id so
+    far to its line and gains this one."""
+    missing = [k for k in ("id", "domain", "prompt") if k not in row]
+    if missing:
+        raise ValueError(f"{path}:{n}: every prompt row needs `id`, `domain` and `prompt`; missing {missing}.")
+    pid = row["id"]
+    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or not str(pid).strip():
+        raise ValueError(f"{path}:{n}: `id` must be a non-empty string or an integer, got {pid!r}; give the row an "
+                         "id of its own (the bench journals and reports each prompt by it).")
+    if str(pid) in seen:
+        raise ValueError(f"{path}:{n}: prompt id {str(pid)!r} is already the id of line {seen[str(pid)]}; every "
+                         "row needs an id of its own (the bench journals, resumes and reports prompts by id, so this "
+                         "row would be read back as a copy of that one). Give it another id, or delete it if it is "
+                         "a copy.")
+    for key in ("domain", "prompt"):
+        if not isinstance(row[key], str):
+            raise ValueError(f"{path}:{n}: `{key}` must be a string, got {row[key]!r}.")
+    seen[str(pid)] = n
+    return row
 
 
 def stratified_selection(rows: list[dict], limit: int | None) -> list[dict]:

@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from ..fileio import atomic_path, atomic_write_text, read_json
+
 
 def _fmt(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
@@ -137,8 +139,8 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "speedup_png": out / "speedup_per_domain.png",
              "acceptance_png": out / "acceptance_per_depth.png"}
-    paths["json"].write_text(json.dumps(results, indent=1))
-    paths["md"].write_text(markdown_table(results))
+    atomic_write_text(paths["json"], json.dumps(results, indent=1))  # a kill leaves the old file or the new
+    atomic_write_text(paths["md"], markdown_table(results))
 
     arms = {k: a for k, a in results["arms"].items() if a["kind"] != "ar"}
     groups = results["domains"] + ["all"]
@@ -161,8 +163,7 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     axes[-1, 0].set_xticks(x, groups)
     fig.suptitle("Speedup per domain over same-dtype ar (pooled time per token)")
     fig.tight_layout()
-    fig.savefig(paths["speedup_png"], dpi=120)
-    plt.close(fig)
+    _save_png(fig, paths["speedup_png"])
 
     fig, ax = plt.subplots(figsize=(6, 4))
     depth = max((len(a["acceptance_per_depth"] or []) for a in results["arms"].values()), default=0)
@@ -178,9 +179,17 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     if any(a["acceptance_per_depth"] for a in results["arms"].values()):
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(paths["acceptance_png"], dpi=120)
-    plt.close(fig)
+    _save_png(fig, paths["acceptance_png"])
     return paths
+
+
+def _save_png(fig, path: Path) -> None:
+    """Save `fig` to `path` atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         raise ValueError(f"`output_dir` ({args.output_dir!r}) holds no results.json; give the directory that "
                          "`hf-chainflow bench --output-dir` wrote.")
-    results = json.loads(path.read_text())
+    results = read_json(path, what="bench results", fix="Rerun the bench, or restore the file from its copy.")
     results["same_length"] = same_length_summary(results)
     for name, written in write_results(results, args.output_dir).items():
         print(f"wrote {written}")

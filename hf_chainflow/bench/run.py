@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -17,8 +18,8 @@ import torch
 from ..stats import SpeculativeStats
 from .arms import Arm, Run, build_arms, configure_drafter, run_arm
 from .defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
-from .journal import (BenchJournal, config_digest, earlier_config_digests, journal_header, run_from_dict,
-                      weights_digest)
+from .journal import (BenchJournal, check_journal, config_digest, earlier_config_digests, journal_header,
+                      run_from_dict, weights_digest)
 from .machine import machine_info
 from .numerics import explain_mismatch
 from .prompts import BenchPrompt, choose_prompts, default_prompts_path, tokenize_prompts
@@ -60,7 +61,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, warmup: BenchPrompt | None = None, eos_token_id=None,
               pad_token_id=None, decode: Callable[[list[int]], str] | None = None, progress: bool = True,
               settings: dict | None = None, journal: str | os.PathLike | None = None, resume: bool = False,
-              partial: bool = False) -> dict:
+              partial: bool = False, overwrite: bool = False) -> dict:
     """Run every arm on every prompt (interleaved) and summarise.
 
     Args:
@@ -70,7 +71,8 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         drafters: drafter name -> dtype name -> a drafter bound to `models[dtype]`.
         decode: token ids -> text, for the printed differences.
         journal: a file (`defaults.JOURNAL_NAME`) to which each finished prompt is appended; with `resume`,
-            the prompts already in it are read back instead of run again (their settings must match).
+            the prompts already in it are read back instead of run again (their settings must match). Without
+            `resume`, a journal there holding finished prompts is refused unless `overwrite` (start a fresh one).
         partial: with `resume`, run nothing: summarise only the prompts the journal already holds. The results get
             `"partial": {"prompts_done", "prompts_total"}`; pooled figures then cover those prompts' domains only.
     Returns the results dict written by `write_results`.
@@ -80,6 +82,10 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     drafters = drafters or {}
     if not prompts:
         raise ValueError("`prompts` is empty: give at least one prompt to benchmark.")
+    repeated = sorted(i for i, n in Counter(p.id for p in prompts).items() if n > 1)
+    if repeated:
+        raise ValueError(f"Prompt ids must be unique (each prompt is journaled and reported by its id), got "
+                         f"{repeated} more than once; give each prompt its own id.")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"`--max-new-tokens` must be a positive integer, got {max_new_tokens!r}.")
     if not tie_tolerance >= 0:
@@ -111,8 +117,8 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     digested = run_settings.get("drafter_config_sha256", {})
     accepted = {("settings", "drafter_config_sha256", name): earlier_config_digests(next(iter(by_dtype.values())))
                 for name, by_dtype in drafters.items() if name in digested and by_dtype}
-    log = (BenchJournal(journal, journal_header(run_settings, prompts), resume=resume, accepted=accepted)
-           if journal is not None else None)
+    log = (BenchJournal(journal, journal_header(run_settings, prompts), resume=resume, accepted=accepted,
+                        overwrite=overwrite) if journal is not None else None)
     done = log.done if log is not None else {}
     total = len(prompts)
     if partial:
@@ -291,7 +297,7 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
               tree_budget: int | None = None, lookup: dict | None = None, only: list[str] | None = None,
               prompts: str | os.PathLike | None = None, limit: int | None = None, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
-              resume: bool = False, partial: bool = False, progress: bool = True,
+              resume: bool = False, partial: bool = False, overwrite: bool = False, progress: bool = True,
               compile_drafting: bool | None = None, batch_sizes: list[int] | None = None,
               dflash: str | os.PathLike | None = None) -> tuple[dict, dict[str, Path]]:
     """Load the target (a known name or a model directory, see `hf_chainflow.targets.load_model_and_tokenizer`) in
@@ -299,7 +305,9 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     drafter, whose arms are `chain`/`tree`/`tree+lookup`) bound to each copy, run every arm on the prompts
     (`prompts`: a JSONL file, default the shipped evaluation prompts; `limit`: that many, stratified by domain),
     journal each finished prompt in `output_dir`, and write the results there (`output_dir/partial/` with
-    `partial`). Returns the results and the written files (`write_results`).
+    `partial`). Returns the results and the written files (`write_results`). The prompts file and the journal
+    (`resume`; without it a journal holding finished prompts is refused unless `overwrite`) are checked before any
+    model loads (`check_journal`).
 
     `lookup` (the `lookup_*` generation-config fields) adds the `tree+lookup` arm; without it the default drafter's
     own `lookup_num_tokens` does, when set (with its `corpus_lookup_num_tokens`, when set). `chain`, `tree`,
@@ -321,6 +329,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
         raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
                          "time (assisted decoding is batch 1); run the DFlash arm in the ordinary bench.")
     rows, warm_row = choose_prompts(prompts, limit)
+    if batch_sizes is None:
+        check_journal(Path(output_dir) / JOURNAL_NAME, resume=resume, overwrite=overwrite)
 
     models, drafters, tokenizer = {}, {name: {} for name in drafter_paths}, None
     for dt in dtypes:
@@ -371,7 +381,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     results = run_bench(models, bench_prompts, arms, drafters, max_new_tokens=max_new_tokens,
                         tie_tolerance=tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
                         pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=progress,
-                        settings=settings, journal=Path(output_dir) / JOURNAL_NAME, resume=resume, partial=partial)
+                        settings=settings, journal=Path(output_dir) / JOURNAL_NAME, resume=resume, partial=partial,
+                        overwrite=overwrite)
     written = write_results(results, Path(output_dir) / "partial" if partial else output_dir)
     return results, written
 

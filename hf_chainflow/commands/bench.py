@@ -11,7 +11,8 @@ noise hits all arms alike. Arms (each in every requested dtype, with its own tar
     dflash       a DFlash drafter (`--dflash PATH`) run by stock transformers (`speculation_type="dflash"`)
 
 Arm keys are `NAME@DTYPE` (`ar@float32`, `tree@bfloat16`). Each finished prompt is journaled (`runs.jsonl`, see
-`hf_chainflow.bench.journal`), so a long run can stop and continue with `--resume`. Reported per arm and per domain:
+`hf_chainflow.bench.journal`), so a long run can stop and continue with `--resume`; a journal with finished prompts
+is never replaced without `--overwrite`. Reported per arm and per domain:
 
 - `tokens_per_second`: pooled new tokens / pooled wall time of the `generate` calls;
 - `speedup`: tokens/s over the same-dtype `ar` arm of the same run (= the ratio of pooled times whenever the two
@@ -119,6 +120,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"continue the run journaled in --output-dir/{JOURNAL_NAME}: its finished prompts are read "
                         "back, the rest run (repeat the same command, with --resume added)")
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"start a fresh journal in --output-dir even where its {JOURNAL_NAME} holds finished prompts "
+                        "(they are discarded; without --resume or --overwrite such a journal is refused)")
     p.add_argument("--partial-report", action="store_true",
                    help="with --resume: run no prompt; summarise the prompts the journal holds so far into "
                         "--output-dir/partial/ (results.json marked `partial`, the table, the plots)")
@@ -147,9 +151,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.dflash is not None and batch_sizes is not None:
         raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
                          "time (assisted decoding is batch 1); run the `dflash` arm without `--batch-sizes`.")
-    if batch_sizes is not None and (args.resume or args.partial_report):
+    if batch_sizes is not None and (args.resume or args.partial_report or args.overwrite):
         raise ValueError("`--batch-sizes` runs the batched bench, which keeps no journal: drop `--resume` / "
-                         "`--partial-report`.")
+                         "`--partial-report` / `--overwrite`.")
     if args.partial_report and not args.resume:
         raise ValueError("`--partial-report` summarises a journaled run so far: add `--resume` (and repeat the run's "
                          "other options) so that the journal in `--output-dir` is read.")
@@ -195,7 +199,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only, prompts=args.prompts,
         compile_drafting=args.compile_drafting,
         limit=args.limit, max_new_tokens=args.max_new_tokens, tie_tolerance=args.tie_tolerance,
-        output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, progress=not args.no_progress,
+        output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, overwrite=args.overwrite,
+        progress=not args.no_progress,
         batch_sizes=batch_sizes, dflash=args.dflash)
     if batch_sizes is not None:
         from hf_chainflow.bench.batched import batched_table
