@@ -11,6 +11,8 @@ import argparse
 import re
 from pathlib import Path
 
+from hf_chainflow.fileio import check_local_or_hub, check_model_folder
+
 # A Hub repo id: `namespace/name` (one slash, no leading `/`, `.` or `~`).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -39,20 +41,25 @@ def check_output_dir(flag: str, path: str | Path | None) -> None:
 
 
 def check_model_source(flag: str, value: str, known: tuple[str, ...] = ()) -> None:
-    """A model argument must be a known name, an existing local directory, or a Hub repo id (`namespace/name`).
+    """A model argument must be a known name, a saved model's folder (`check_model_folder`), or a Hub repo id
+    (`namespace/name`) that is in the local Hub cache or reachable (`fileio.check_local_or_hub`).
 
-    Without this check a mistyped local path is sent to the Hub, which retries for about a minute before failing.
+    Without this check a mistyped local path is sent to the Hub, which retries for about a minute before failing, and
+    an empty folder fails with an `OSError` only after the other models have loaded.
     """
-    if value in known or Path(value).is_dir():
+    if value in known:
+        return
+    if Path(value).is_dir():
+        check_model_folder(flag, value)
         return
     if Path(value).exists():
         raise ValueError(f"`{flag}` must be a model directory, got {value!r}, which is a file; give the directory "
                          f"that holds its config.json.")
-    if _REPO_ID.match(value):
-        return  # a Hub id; transformers reports it if it cannot be fetched
-    names = f"a known name ({', '.join(known)}), " if known else ""
-    raise ValueError(f"`{flag}` must be {names}an existing local directory or a Hub repo id `namespace/name`, got "
-                     f"{value!r}, which is none of these; check the path.")
+    if not _REPO_ID.match(value):
+        names = f"a known name ({', '.join(known)}), " if known else ""
+        raise ValueError(f"`{flag}` must be {names}an existing local directory or a Hub repo id `namespace/name`, "
+                         f"got {value!r}, which is none of these; check the path.")
+    check_local_or_hub(flag, value)
 
 
 def parse_shards(text: str) -> list[int]:

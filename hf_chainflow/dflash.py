@@ -169,7 +169,12 @@ def check_dflash_drafter(drafter, target: PreTrainedModel) -> None:
 def load_dflash_drafter(path: str | os.PathLike, target: PreTrainedModel, **kwargs) -> MuseGlimmerAssistantModel:
     """A saved DFlash drafter (a plain transformers model folder), checked against `target` and put in the target's
     dtype and on its device, in eval mode: transformers feeds it the target's embeddings and hidden states as they
-    are, so the two must agree. `kwargs` go to `from_pretrained`."""
+    are, so the two must agree. `kwargs` go to `from_pretrained`. A local folder must hold a config.json that parses
+    (else a `ValueError` naming the file, line and column, before transformers reads it)."""
+    if os.path.isdir(path):
+        from .fileio import check_model_folder
+
+        check_model_folder("path", os.path.join(path, kwargs.get("subfolder") or ""), weights=False)
     drafter = MuseGlimmerAssistantModel.from_pretrained(path, **kwargs)
     check_dflash_drafter(drafter, target)
     return drafter.to(device=target.device, dtype=target.dtype).eval()

@@ -10,7 +10,8 @@ per folder, complete-only checkpoints, and the local-folder-or-Hub-id rule.
 - `mark_checkpoint_complete` / `is_complete_checkpoint` / `last_complete_checkpoint`: a checkpoint counts only when
   its marker, written last, is there.
 - `check_local_or_hub`: a path that is neither a folder nor a Hub repo in the local cache fails within seconds when
-  the Hub cannot be reached, naming both readings.
+  the Hub cannot be reached, naming both readings; `check_model_folder`: a folder given as a model holds a config
+  and weights, and its JSON files parse.
 """
 
 from __future__ import annotations
@@ -362,6 +363,52 @@ def check_local_or_hub(flag: str, value: str | os.PathLike) -> None:
                      f"path, or download the repo where the Hub can be reached.")
 
 
-__all__ = ["CHECKPOINT_MARKER", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
-           "atomic_write_text", "check_local_or_hub", "fsync_dir", "is_complete_checkpoint",
+# ----------------------------------------------------------------------------------------------------------------
+# A saved model's folder
+# ----------------------------------------------------------------------------------------------------------------
+
+# The weight files transformers' `from_pretrained` reads from a folder (one of them).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_model_folder(flag: str, folder: str | Path, *, weights: bool = True) -> None:
+    """A folder given as a model must be one: it holds config.json and, with `weights`, one of `WEIGHT_FILES`; its
+    config.json and generation_config.json (if there) must be JSON objects (`check_model_json`). Raises a
+    `ValueError` naming `flag`, the folder, what is missing or damaged and the fix."""
+    folder = Path(folder)
+    missing = [] if (folder / "config.json").is_file() else ["config.json"]
+    if weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
+        missing.append(f"weights ({', '.join(WEIGHT_FILES)})")
+    if missing:
+        raise ValueError(f"`{flag}` {str(folder)!r} is a folder but not a saved model: it holds no "
+                         f"{' and no '.join(missing)}{_checkpoint_hint(folder)}. Give the folder a model was saved "
+                         f"to with `save_pretrained` (for a drafter: the `--out` folder of `hf-chainflow train`).")
+    check_model_json(flag, folder)
+
+
+def check_model_json(flag: str, folder: str | Path) -> None:
+    """The config.json and generation_config.json of a model folder, where there, must parse as JSON objects (else a
+    `ValueError` naming the file, line and column): transformers would take a damaged generation_config.json for a
+    missing one, and a drafter would load with the default drafting settings without a word."""
+    folder = Path(folder)
+    fix = "Copy or download the model again, or save it again with `save_pretrained`."
+    for name, what, more in (("config.json", "model config", ""),
+                             ("generation_config.json", "generation config",
+                              " Delete the file only to load the default generation settings instead.")):
+        if (folder / name).is_file():
+            read_json(folder / name, what=f"{what} of `{flag}`", fix=fix + more)
+
+
+def _checkpoint_hint(folder: Path) -> str:
+    """` (it holds training checkpoints: ...)` for a training output folder without its final save."""
+    complete, incomplete = last_complete_checkpoint(folder)
+    newest = complete or (incomplete[0] if incomplete else None)
+    return "" if newest is None else (f" (it holds training checkpoints: give the newest, {str(newest)!r}, or let "
+                                      f"the training finish)")
+
+
+__all__ = ["CHECKPOINT_MARKER", "WEIGHT_FILES", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
+           "atomic_write_text", "check_local_or_hub", "check_model_folder", "check_model_json", "fsync_dir",
+           "is_complete_checkpoint",
            "last_complete_checkpoint", "mark_checkpoint_complete", "read_json", "remove_stale_temps", "temp_path"]

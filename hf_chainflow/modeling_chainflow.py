@@ -1285,28 +1285,70 @@ class ChainFlowDrafter(ChainFlowPreTrainedModel):
 
         Weights are loaded in float32 unless `dtype=` (or its deprecated alias `torch_dtype=`) says otherwise
         (shipped checkpoints are stored in float16 to stay small; drafting on a CPU wants float32 layers).
+        Only a missing `generation_config.json` gives the default drafting settings; one that does not parse, like a
+        damaged `config.json`, raises a `ValueError` naming the file and line. A path that is neither a folder nor a
+        Hub repo in the local cache fails within seconds when the Hub cannot be reached.
         """
         hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
         download_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
         config = kwargs.get("config")
+        if pretrained_model_name_or_path is not None:
+            cls._check_source(pretrained_model_name_or_path, download_kwargs, has_config=config is not None)
         source = pretrained_model_name_or_path if config is None else config
         if isinstance(source, (str, os.PathLike)):  # not for `config=` given as a config object
             cls._check_model_type(source, "pretrained_model_name_or_path" if config is None else "config",
                                   download_kwargs)
+        # transformers loads a generation config only for `GenerationMixin` models (`adjust_generation_fn`).
+        generation_config = None if pretrained_model_name_or_path is None else cls._saved_generation_config(
+            pretrained_model_name_or_path, download_kwargs)
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = kwargs.pop("torch_dtype", None) or torch.float32
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if kwargs.get("output_loading_info") else loaded  # (model, loading info) as transformers
-        # transformers loads a generation config only for `GenerationMixin` models (`adjust_generation_fn`).
-        if pretrained_model_name_or_path is not None:
-            try:
-                model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path,
-                                                                           **download_kwargs)
-            except OSError:  # no generation_config.json: keep the defaults built from the config
-                pass
+        if generation_config is not None:  # else no generation_config.json: the defaults built from the config stay
+            model.generation_config = generation_config
         if target is not None:
             model.bind_target(target)
         return loaded
+
+    @staticmethod
+    def _check_source(source, download_kwargs: dict, *, has_config: bool) -> None:
+        """Before transformers: a local folder must hold a config.json (unless `config=` is given) and its JSON files
+        must parse; a Hub id that is neither cached nor reachable is refused within seconds (not after a minute of
+        retries). With `cache_dir`, `revision` or `local_files_only` the Hub case is left to transformers."""
+        from .fileio import check_local_or_hub, check_model_folder, check_model_json
+
+        if not isinstance(source, (str, os.PathLike)):
+            return
+        name = "pretrained_model_name_or_path"
+        if os.path.isdir(source):
+            folder = os.path.join(source, download_kwargs.get("subfolder") or "")
+            if has_config:
+                check_model_json(name, folder)
+            else:
+                check_model_folder(name, folder, weights=False)  # transformers names the weight files it missed
+        elif not any(key in download_kwargs for key in ("cache_dir", "revision", "local_files_only")):
+            check_local_or_hub(name, source)
+
+    @staticmethod
+    def _saved_generation_config(source, download_kwargs: dict) -> GenerationConfig | None:
+        """The drafter's saved generation config, or None when the folder / repo has no generation_config.json (or
+        the Hub cannot be reached and it is not cached, which transformers cannot tell apart from missing). A file
+        that is there but does not parse raises a `ValueError` naming it (transformers' `OSError` for it reads as
+        'missing')."""
+        from transformers.utils import cached_file
+
+        from .fileio import read_json
+
+        resolved = cached_file(source, "generation_config.json", _raise_exceptions_for_missing_entries=False,
+                               **download_kwargs)
+        if resolved is None:
+            return None
+        read_json(resolved, what=f"generation config of the drafter {str(source)!r}",
+                  fix="Copy or download the drafter again, or save its settings again "
+                      "(`drafter.generation_config.save_pretrained(folder)`); delete the file only to load the "
+                      "default drafting settings (a chain of 3) instead.")
+        return GenerationConfig.from_pretrained(os.path.dirname(resolved))
 
     @staticmethod
     def _check_model_type(source, name: str, download_kwargs: dict) -> None:

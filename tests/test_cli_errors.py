@@ -101,6 +101,14 @@ def test_a_failed_train_run_leaves_no_empty_output_directory(tmp_path, monkeypat
     assert (out / "keep.txt").is_file()  # an existing directory is never removed
 
 
+def _model_folder(path):
+    """A folder that passes the model-folder check (config.json and a weight file; their contents are not read)."""
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_text("")
+    return path
+
+
 def test_output_paths_must_not_be_files(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -108,16 +116,27 @@ def test_output_paths_must_not_be_files(tmp_path):
     check_output_dir("--out", tmp_path / "new")
     with pytest.raises(ValueError, match=r"`--out` must name a directory, got .*afile.*existing file"):
         check_output_dir("--out", afile)
+    drafter = _model_folder(tmp_path / "drafter")
     for argv in (["train", "--data", "d", "--out", str(afile)],
-                 ["eval-offline", "--drafter", str(tmp_path), "--data", "d", "--out", str(afile)]):
+                 ["eval-offline", "--drafter", str(drafter), "--data", "d", "--out", str(afile)]):
         with pytest.raises(SystemExit, match="must name a directory"):
             main(argv)
 
 
-def test_model_arguments_are_names_directories_or_hub_ids(tmp_path):
-    check_model_source("--target", "smollm2-135m-instruct", ("smollm2-135m-instruct",))
-    check_model_source("--drafter", str(tmp_path))
-    check_model_source("--drafter", "someone/chainflow-drafter")  # a Hub id: left to transformers
+def test_model_arguments_are_names_directories_or_hub_ids(tmp_path, monkeypatch):
+    import hf_chainflow.fileio as fileio
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_model_source("--target", "smollm2-135m-instruct", ("smollm2-135m-instruct",))  # known names: no Hub look-up
+    check_model_source("--drafter", str(_model_folder(tmp_path / "drafter")))
+    with pytest.raises(ValueError, match=r"`--drafter` .* is a folder but not a saved model: it holds no config.json "
+                                         r"and no weights \(model.safetensors, "):
+        check_model_source("--drafter", str(tmp_path))
+    with pytest.raises(ValueError, match=r"`--drafter` 'someone/chainflow-drafter' is neither an existing local folder "
+                                         r"\(no such folder\) nor a Hub repo in the local cache"):
+        check_model_source("--drafter", "someone/chainflow-drafter")  # offline, not cached
+    monkeypatch.setattr(fileio, "_hub_reachable", lambda: True)
+    check_model_source("--drafter", "someone/chainflow-drafter")  # a reachable Hub id: left to transformers
     with pytest.raises(ValueError, match=r"`--drafter` must be an existing local directory or a Hub repo id "
                                          r"`namespace/name`, got 'no-such-drafter'"):
         check_model_source("--drafter", "no-such-drafter")

@@ -39,6 +39,8 @@ def add_demo_parser(sub) -> None:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
+    if args.drafter_path:  # before anything loads
+        check_model_source("--drafter-path", args.drafter_path)
     import torch
 
     from hf_chainflow.bench.machine import bf16_hardware_note, demo_dtype
@@ -46,8 +48,6 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from hf_chainflow.demo import DEMO_PROMPTS, demo
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    if args.drafter_path:
-        check_model_source("--drafter-path", args.drafter_path)
     path = args.drafter_path or default_drafter_path()
     dtype = args.dtype or demo_dtype()
     if args.dtype is None and dtype == "float32":

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from ..cli_args import check_model_source
 from .settings import speculative_config
 
 
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError:
             settings[name] = value
     try:
+        if args.drafter_path is not None:
+            check_model_source("--drafter-path", args.drafter_path)
         spec = speculative_config(args.drafter_path, args.num_speculative_tokens, **settings)
     except ValueError as e:
         p.error(str(e))
