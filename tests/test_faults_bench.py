@@ -17,6 +17,7 @@ from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.bench.journal import BenchJournal
 from hf_chainflow.bench.prompts import load_prompts
 from hf_chainflow.commands import main
+from hf_chainflow.fileio import LOCK_NAME
 from hf_chainflow.testing import tiny_target
 
 from _windows import TINY_DRAFTER, one_thread
@@ -205,14 +206,14 @@ def test_unreadable_and_empty_prompt_files_are_refused_before_any_model_loads(ti
 def test_a_finished_run_is_not_discarded_without_overwrite(tiny, uninterrupted, tmp_path, no_model_loads):
     out = tmp_path / "run"
     shutil.copytree(uninterrupted[0], out)
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK_NAME}
     with pytest.raises(SystemExit, match=rf"{re.escape(repr(str(out)))} already holds a bench journal \(runs.jsonl\) "
                                          rf"with {len(PROMPTS)} finished prompts of {len(PROMPTS)}; a new run would "
                                          r"discard them. Add `--resume` .* or `--overwrite` to discard them"):
         main(_argv(tiny, out))
     with pytest.raises(SystemExit, match=r"`--resume` and `--overwrite` contradict each other"):
         main(_argv(tiny, out) + ["--resume", "--overwrite"])
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK_NAME} == before
     # A journal whose run stopped before its first prompt finished holds nothing to lose: a new run replaces it.
     header_only = tmp_path / "header-only"
     header_only.mkdir()
@@ -239,7 +240,7 @@ def test_overwrite_starts_a_fresh_journal_atomically(tiny, uninterrupted, tmp_pa
         with pytest.raises(KeyboardInterrupt):
             main(_argv(tiny, out) + ["--overwrite"])
     assert journal.read_bytes() == before  # the old journal whole, no temporary file left beside it
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [LOCK_NAME]  # the lock, empty
 
     with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
         assert main(_argv(tiny, out) + ["--overwrite"]) == 0
@@ -272,3 +273,17 @@ def test_a_broken_journal_is_refused_naming_the_line_before_any_model_loads(tiny
             with pytest.raises(SystemExit, match=refusal):
                 main(_argv(tiny, out) + extra)
             assert journal.read_bytes() == before, name
+
+
+def test_a_second_bench_on_the_same_output_folder_is_refused_naming_the_first(tiny, tmp_path, no_model_loads):
+    """Two benches writing one journal would interleave their lines: the second is refused before any model loads,
+    naming the holder; once the first has ended, the same command goes on."""
+    from hf_chainflow.fileio import FolderLock
+
+    out = tmp_path / "busy"
+    with FolderLock(out, what="bench output folder"):
+        with pytest.raises(SystemExit, match=rf"The bench output folder {re.escape(repr(str(out)))} is being written "
+                                             rf"by process {os.getpid()} on .*; one job writes to it at a time"):
+            main(_argv(tiny, out))
+    with pytest.raises(AssertionError, match="a model was loaded"):  # free again: the checks pass, it goes on
+        main(_argv(tiny, out))

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..fileio import FolderLock
 from ..stats import SpeculativeStats
 from .arms import Arm, Run, build_arms, configure_drafter, run_arm
 from .defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
@@ -329,62 +330,66 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
         raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
                          "time (assisted decoding is batch 1); run the DFlash arm in the ordinary bench.")
     rows, warm_row = choose_prompts(prompts, limit)
-    if batch_sizes is None:
-        check_journal(Path(output_dir) / JOURNAL_NAME, resume=resume, overwrite=overwrite)
+    # one bench at a time per output folder: a second one would interleave its lines into the same journal
+    with FolderLock(output_dir, what="bench output folder"):
+        if batch_sizes is None:
+            check_journal(Path(output_dir) / JOURNAL_NAME, resume=resume, overwrite=overwrite)
 
-    models, drafters, tokenizer = {}, {name: {} for name in drafter_paths}, None
-    for dt in dtypes:
-        models[dt], tokenizer = load_model_and_tokenizer(target, getattr(torch, dt))
-        for name, path in drafter_paths.items():
-            drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
-                                                                  dtype=getattr(torch, drafter_dtype)).eval()
-    dflash_drafters = {}
-    if dflash is not None:
-        from ..dflash import load_dflash_drafter
+        models, drafters, tokenizer = {}, {name: {} for name in drafter_paths}, None
+        for dt in dtypes:
+            models[dt], tokenizer = load_model_and_tokenizer(target, getattr(torch, dt))
+            for name, path in drafter_paths.items():
+                drafters[name][dt] = ChainFlowDrafter.from_pretrained(path, target=models[dt],
+                                                                      dtype=getattr(torch, drafter_dtype)).eval()
+        dflash_drafters = {}
+        if dflash is not None:
+            from ..dflash import load_dflash_drafter
 
-        dflash_drafters = {dt: load_dflash_drafter(dflash, models[dt]) for dt in dtypes}
-    if lookup is None and "chainflow" in drafters:  # the default drafter's own lookup setting, if it has one
-        g = drafters["chainflow"][dtypes[0]].generation_config
-        if getattr(g, "lookup_num_tokens", None) is not None:
-            lookup = {"lookup_num_tokens": g.lookup_num_tokens,
-                      "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
-                      "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
-            if getattr(g, "corpus_lookup_num_tokens", None) is not None:  # a drafter with a corpus-lookup table
-                lookup["corpus_lookup_num_tokens"] = g.corpus_lookup_num_tokens
-    arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=pld_tokens,
-                      chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only,
-                      dflash=dflash is not None)
-    drafting = warm_up_arms(arms, drafters, compile_drafting)
-    if dflash is not None:
-        drafters["dflash"] = dflash_drafters
-    bench_prompts = tokenize_prompts(tokenizer, rows)
-    warmup = tokenize_prompts(tokenizer, [warm_row])[0]
-    gen = models[dtypes[0]].generation_config
-    if batch_sizes is not None:
-        from .batched import run_batched_bench, write_batched_results
+            dflash_drafters = {dt: load_dflash_drafter(dflash, models[dt]) for dt in dtypes}
+        if lookup is None and "chainflow" in drafters:  # the default drafter's own lookup setting, if it has one
+            g = drafters["chainflow"][dtypes[0]].generation_config
+            if getattr(g, "lookup_num_tokens", None) is not None:
+                lookup = {"lookup_num_tokens": g.lookup_num_tokens,
+                          "lookup_trust_ngram": getattr(g, "lookup_trust_ngram", None),
+                          "lookup_max_tokens": getattr(g, "lookup_max_tokens", None)}
+                if getattr(g, "corpus_lookup_num_tokens", None) is not None:  # a drafter with a corpus-lookup table
+                    lookup["corpus_lookup_num_tokens"] = g.corpus_lookup_num_tokens
+        arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=pld_tokens,
+                          chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only,
+                          dflash=dflash is not None)
+        drafting = warm_up_arms(arms, drafters, compile_drafting)
+        if dflash is not None:
+            drafters["dflash"] = dflash_drafters
+        bench_prompts = tokenize_prompts(tokenizer, rows)
+        warmup = tokenize_prompts(tokenizer, [warm_row])[0]
+        gen = models[dtypes[0]].generation_config
+        if batch_sizes is not None:
+            from .batched import run_batched_bench, write_batched_results
 
-        results = run_batched_bench(models, bench_prompts, arms, drafters, batch_sizes, max_new_tokens=max_new_tokens,
-                                    tie_tolerance=tie_tolerance, eos_token_id=gen.eos_token_id,
-                                    pad_token_id=gen.pad_token_id, progress=progress)
-        results["settings"] = {"target": target, "drafters": drafter_paths, "dtypes": dtypes, "limit": limit,
-                               "prompts": str(prompts or default_prompts_path()), "threads": torch.get_num_threads(),
-                               "machine": machine_info(), "drafting": drafting}
-        return results, write_batched_results(results, output_dir)
-    settings = {"target": target, "drafters": drafter_paths, "drafter_weights_sha256": {
-                    name: weights_digest(d[dtypes[0]]) for name, d in drafters.items()},
-                "drafter_config_sha256": {name: config_digest(d[dtypes[0]]) for name, d in drafters.items()},
-                "drafter_dtype": drafter_dtype, "dtypes": dtypes,
-                "prompts": str(prompts or default_prompts_path()), "limit": limit,
-                "pld_tokens": pld_tokens, "threads": torch.get_num_threads(), "drafting": drafting}
-    if dflash is not None:  # (absent otherwise: the journals of runs without it resume as before)
-        settings["dflash"] = str(dflash)
-    results = run_bench(models, bench_prompts, arms, drafters, max_new_tokens=max_new_tokens,
-                        tie_tolerance=tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
-                        pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=progress,
-                        settings=settings, journal=Path(output_dir) / JOURNAL_NAME, resume=resume, partial=partial,
-                        overwrite=overwrite)
-    written = write_results(results, Path(output_dir) / "partial" if partial else output_dir)
-    return results, written
+            results = run_batched_bench(models, bench_prompts, arms, drafters, batch_sizes,
+                                        max_new_tokens=max_new_tokens,
+                                        tie_tolerance=tie_tolerance, eos_token_id=gen.eos_token_id,
+                                        pad_token_id=gen.pad_token_id, progress=progress)
+            results["settings"] = {"target": target, "drafters": drafter_paths, "dtypes": dtypes, "limit": limit,
+                                   "prompts": str(prompts or default_prompts_path()),
+                                   "threads": torch.get_num_threads(),
+                                   "machine": machine_info(), "drafting": drafting}
+            return results, write_batched_results(results, output_dir)
+        settings = {"target": target, "drafters": drafter_paths, "drafter_weights_sha256": {
+                        name: weights_digest(d[dtypes[0]]) for name, d in drafters.items()},
+                    "drafter_config_sha256": {name: config_digest(d[dtypes[0]]) for name, d in drafters.items()},
+                    "drafter_dtype": drafter_dtype, "dtypes": dtypes,
+                    "prompts": str(prompts or default_prompts_path()), "limit": limit,
+                    "pld_tokens": pld_tokens, "threads": torch.get_num_threads(), "drafting": drafting}
+        if dflash is not None:  # (absent otherwise: the journals of runs without it resume as before)
+            settings["dflash"] = str(dflash)
+        results = run_bench(models, bench_prompts, arms, drafters, max_new_tokens=max_new_tokens,
+                            tie_tolerance=tie_tolerance, warmup=warmup, eos_token_id=gen.eos_token_id,
+                            pad_token_id=gen.pad_token_id, decode=tokenizer.decode, progress=progress,
+                            settings=settings, journal=Path(output_dir) / JOURNAL_NAME, resume=resume, partial=partial,
+                            overwrite=overwrite)
+        written = write_results(results, Path(output_dir) / "partial" if partial else output_dir)
+        return results, written
 
 
 __all__ = ["benchmark", "run_bench", "summarise", "warm_up_arms"]

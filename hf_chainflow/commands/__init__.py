@@ -27,10 +27,12 @@ from hf_chainflow.commands.eval_offline import add_eval_offline_parser
 from hf_chainflow.commands.generate_responses import add_generate_responses_parser
 from hf_chainflow.commands.prepare import add_prepare_parser
 from hf_chainflow.commands.train import add_train_parser
+from hf_chainflow.fileio import FolderBusyError
 
 # Errors of the user's input (our `ValueError`s name the option and the fix; a missing or misplaced file is an
-# `OSError`): printed as one line, like argparse's own errors. HF_CHAINFLOW_TRACEBACK=1 shows the traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+# `OSError`; a folder another job is writing, a `FolderBusyError` naming that job): printed as one line, like
+# argparse's own errors. HF_CHAINFLOW_TRACEBACK=1 shows the traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, FolderBusyError)
 
 
 def build_parser() -> argparse.ArgumentParser:
