@@ -15,6 +15,11 @@ Folder layout
 - `.pending/p{rank}.jsonl`: responses generated since the last shard (appended and fsynced after every batch; not
   committed). A run that is killed loses at most the batch in flight; the next run reads the pending rows back, so no
   prompt is answered twice.
+- `.writer.lock` (and `.writer-p{rank}.lock` for the other ranks of a `torchrun` job): one writing job at a time
+  (`writer_lock`); a second job is refused with the holder named. Every file is written to a temporary name and
+  renamed (`hf_chainflow.fileio`), and a writing job starts by removing the temporary files of dead processes, so a
+  kill or a full disk leaves the corpus as it was before the write; a corpus whose creation was cut short (an empty
+  `data/`, temporary files, lock files, no `corpus.json`) is created again by the same command.
 
 Rows (one per response; columns `COLUMNS`): `id, domain, language, source, prompt_ids, response_ids, finish` as in
 the shared responses files, plus how the response was made: `do_sample`, `temperature` (0.0 for greedy; sampled
@@ -23,6 +28,7 @@ responses are kept apart by these columns), `max_new_tokens`, `dtype`, `machine`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +40,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from hf_chainflow.fileio import (LOCK_GLOB, FolderBusyError, FolderLock, _hub_reachable, _job_id, atomic_write_bytes,
+                                 read_json, remove_stale_temps)
+
 FORMAT = "hf_chainflow.corpus/1"
 INFO = "corpus.json"
 PENDING = ".pending"
@@ -44,7 +53,7 @@ COLUMNS = ID_FIELDS + SETTING_FIELDS
 FINISHES = ("eos", "length")
 
 __all__ = ["ResponseCorpus", "GenerationSettings", "tokenizer_fingerprint", "select_prompts", "describe_machine",
-           "generate_into_corpus", "COLUMNS", "SPLITS"]
+           "generate_into_corpus", "writer_lock", "check_writable", "FolderBusyError", "COLUMNS", "SPLITS"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,13 +152,105 @@ def check_response_row(row: dict, where: str, vocab_size: int) -> None:
 # The corpus folder
 # ----------------------------------------------------------------------------------------------------------------
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+INFO_KEYS = ("format", "target", "vocab_size", "tokenizer_sha256", "selections")
+INFO_FIX = ("Restore it from version control or a backup (it holds the format, the target, the tokenizer's fingerprint "
+            "and the prompt selections; the shards in data/ are not touched by it).")
+_HELD: dict[str, int] = {}  # corpus folders whose writer lock this process holds -> nesting depth
+
+
+@contextlib.contextmanager
+def writer_lock(path: str | os.PathLike, *, rank: int | None = None):
+    """`with writer_lock(folder):` this job is the corpus's only writer while the block runs.
+
+    Each process holds `fileio.FolderLock` on the folder (the ranks of one `torchrun` job side by side; another job,
+    of any size, is refused with a `FolderBusyError` naming the holder until the last rank of the first has ended).
+    Taking the lock removes the temporary files of dead processes (a kill, a full disk). Nested uses in one process
+    share the lock (`generate_into_corpus` inside the command's lock). `rank`: this process's rank in its launch
+    (default: `RANK`)."""
+    key = os.path.realpath(path)
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    rank = process_rank()[0] if rank is None else rank
+    if rank != 0 and _job_id().startswith("pid:"):
+        raise ValueError(f"RANK={rank}, but nothing tells which job this process belongs to (torchrun's "
+                         f"TORCHELASTIC_RUN_ID, or MASTER_ADDR and MASTER_PORT with WORLD_SIZE > 1), so it cannot "
+                         f"share its job's writer lock on {str(path)!r}; launch the processes with `torchrun "
+                         f"--nproc_per_node N`, or give them all the same TORCHELASTIC_RUN_ID.")
+    with FolderLock(path, what="response corpus", rank=rank):
+        _HELD[key] = 1
+        try:
+            remove_stale_temps(path, recursive=True)
+            yield
+        finally:
+            del _HELD[key]
+
+
+def _nearest_folder(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """A `ValueError` naming the folder unless the corpus folder, its `data/` and `.pending/` (for a new corpus: the
+    folder it will be made in) take a new file. Checked by writing and removing one (permissions alone say nothing to
+    root or on a read-only mount), so that a read-only corpus is refused before a model loads, not after a batch."""
+    path = Path(path)
+    folders = [p for p in (path, path / "data", path / PENDING) if p.is_dir()] or [_nearest_folder(path)]
+    for folder in folders:
+        probe = folder / f".write-probe.tmp-{os.getpid()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.unlink(probe)
+        except OSError as err:
+            raise ValueError(f"`corpus` {str(path)!r}: the folder {str(folder)!r} is not writable ({err.strerror}); "
+                             f"the responses could not be saved. Make it writable (or give another `--corpus`) "
+                             f"before generating.") from None
+
+
+def _not_half_made(path: Path) -> list[str]:
+    """The entries of a folder without `corpus.json` that a creation cut short (a kill, a full disk) does not leave:
+    it leaves an empty `data/`, lock files, temporary files and nothing else."""
+    def leftover(entry: Path) -> bool:
+        if entry.name == INFO or entry.match(LOCK_GLOB) or (entry.name.startswith(".") and ".tmp-" in entry.name):
+            return True
+        if entry.is_dir() and entry.name in ("data", PENDING):
+            return all(leftover(e) for e in entry.iterdir())
+        return False
+
+    return sorted(e.name for e in path.iterdir() if not leftover(e)) if path.is_dir() else []
+
+
+def check_new_corpus_folder(path: str | os.PathLike) -> None:
+    """A `ValueError` unless `path` is a corpus, a new or empty folder, or a corpus whose creation was cut short."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"`corpus` {str(path)!r} is a file; give a folder.")
+    if (path / INFO).is_file():
+        return
+    foreign = _not_half_made(path)
+    if foreign:
+        raise ValueError(f"`corpus` {str(path)!r} is a folder without {INFO} that holds other things "
+                         f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}), so it is not a response "
+                         f"corpus; give a new or empty folder, or an existing corpus.")
+
+
+def _read_info(path: Path) -> dict:
+    """`corpus.json` of the corpus folder `path`, or a `ValueError` naming the file, the line and the fix."""
+    info = read_json(path / INFO, what="corpus description", fix=INFO_FIX)
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{path / INFO}: format {info.get('format')!r}, expected {FORMAT!r}; it is not the "
+                         f"description of a response corpus of this version. {INFO_FIX}")
+    missing = [k for k in INFO_KEYS if k not in info]
+    if missing:
+        raise ValueError(f"{path / INFO}: lacks {missing}; a corpus description holds {list(INFO_KEYS)}. {INFO_FIX}")
+    return info
 
 
 class ResponseCorpus:
@@ -162,27 +263,29 @@ class ResponseCorpus:
             raise ValueError(f"`corpus` {str(self.path)!r} holds no {INFO}; it is not a response corpus. Make one with "
                              f"`ResponseCorpus.create(path, target=..., tokenizer=...)` (or `hf-chainflow "
                              f"generate-responses --corpus {self.path} --target ...`).")
-        self.info = json.loads((self.path / INFO).read_text())
-        if self.info.get("format") != FORMAT:
-            raise ValueError(f"{self.path / INFO}: format {self.info.get('format')!r}, expected {FORMAT!r}.")
+        self.info = _read_info(self.path)
 
     @classmethod
     def create(cls, path: str | os.PathLike, *, target: str, tokenizer) -> "ResponseCorpus":
         """A new, empty corpus for `target`'s responses through `tokenizer`; an existing corpus is opened instead, and
         refused if it was made for another tokenizer."""
         path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"`corpus` {str(path)!r} is a file; give a folder.")
-        if not (path / INFO).is_file():
-            if path.is_dir() and any(path.iterdir()):
-                raise ValueError(f"`corpus` {str(path)!r} is a non-empty folder without {INFO}; give an empty or new "
-                                 f"folder, or an existing corpus.")
-            (path / "data").mkdir(parents=True, exist_ok=True)
-            info = {"format": FORMAT, "target": target, **tokenizer_fingerprint(tokenizer), "selections": []}
-            _atomic_write(path / INFO, (json.dumps(info, indent=1) + "\n").encode())
+        check_new_corpus_folder(path)
+        check_writable(path)
+        with writer_lock(path):
+            check_new_corpus_folder(path)
+            if not (path / INFO).is_file():  # new, or a creation cut short: the same command makes it again
+                (path / "data").mkdir(parents=True, exist_ok=True)
+                info = {"format": FORMAT, "target": target, **tokenizer_fingerprint(tokenizer), "selections": []}
+                atomic_write_bytes(path / INFO, (json.dumps(info, indent=1) + "\n").encode())
         corpus = cls(path)
         corpus.check_tokenizer(tokenizer)
         return corpus
+
+    def writing(self):
+        """`with corpus.writing():` this job is the corpus's only writer (`writer_lock`). The lock goes by the
+        process's rank in its launch (`RANK`), not by the `rank` that names a shard or a pending file."""
+        return writer_lock(self.path)
 
     # -- what it holds ----------------------------------------------------------------------------------------
 
@@ -265,7 +368,7 @@ class ResponseCorpus:
         path = self.path / "data" / f"{prefix}{len(list((self.path / 'data').glob(prefix + '*'))):04d}.parquet"
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd", compression_level=9)
-        _atomic_write(path, sink.getvalue().to_pybytes())
+        atomic_write_bytes(path, sink.getvalue().to_pybytes())
         return path
 
     def add_responses(self, rows: Sequence[dict], split: str, settings: GenerationSettings | None = None, *,
@@ -280,15 +383,18 @@ class ResponseCorpus:
             raise ValueError("`rows` is empty; give at least one response row.")
         fixed = asdict(settings) if settings is not None else {}
         full = [{**fixed, **row} if isinstance(row, dict) else row for row in rows]
-        self._check_new_rows(full)
-        return [self._write_shard(full[i:i + shard_size], split, rank) for i in range(0, len(full), shard_size)]
+        with self.writing():
+            self._check_new_rows(full)
+            return [self._write_shard(full[i:i + shard_size], split, rank) for i in range(0, len(full), shard_size)]
 
     def record_selection(self, selection: dict) -> None:
         """Append a prompt selection to `corpus.json` (unless the last one recorded is the same)."""
-        if self.info["selections"] and self.info["selections"][-1] == selection:
-            return
-        self.info["selections"].append(selection)
-        _atomic_write(self.path / INFO, (json.dumps(self.info, indent=1) + "\n").encode())
+        with self.writing():
+            self.info = _read_info(self.path)  # as it is now: another job may have added one since it was read
+            if self.info["selections"] and self.info["selections"][-1] == selection:
+                return
+            self.info["selections"].append(selection)
+            atomic_write_bytes(self.path / INFO, (json.dumps(self.info, indent=1) + "\n").encode())
 
     # -- pending rows -----------------------------------------------------------------------------------------
 
@@ -314,6 +420,10 @@ class ResponseCorpus:
         return rows
 
     def append_pending(self, rows: Sequence[dict], rank: int = 0) -> None:
+        with self.writing():
+            self._append_pending(rows, rank)
+
+    def _append_pending(self, rows: Sequence[dict], rank: int) -> None:
         path = self.pending_path(rank)
         path.parent.mkdir(exist_ok=True)
         torn = False
@@ -329,18 +439,23 @@ class ResponseCorpus:
     def flush_pending(self, split: str = "train", *, rank: int = 0, min_rows: int = 1) -> Path | None:
         """Write `rank`'s pending rows as one shard of `split` if there are at least `min_rows`, then empty the pending
         file. Returns the shard's path (None when nothing was written)."""
-        rows = self.pending(rank)
-        if len(rows) < max(min_rows, 1):
-            return None
-        (path,) = self.add_responses(rows, split, shard_size=len(rows), rank=rank)
-        _atomic_write(self.pending_path(rank), b"")
-        return path
+        with self.writing():
+            rows = self.pending(rank)
+            if len(rows) < max(min_rows, 1):
+                return None
+            (path,) = self.add_responses(rows, split, shard_size=len(rows), rank=rank)
+            atomic_write_bytes(self.pending_path(rank), b"")
+            return path
 
     # -- the card ---------------------------------------------------------------------------------------------
 
     def write_card(self) -> Path:
         """Write the dataset card's YAML header (splits, target, tokenizer, generation settings, counts) and its
         counts tables afresh from the shards; the hand-written text between them is kept."""
+        with self.writing():
+            return self._write_card()
+
+    def _write_card(self) -> Path:
         counts = self.counts()
         path = self.path / CARD
         body = (f"\n# Responses of {self.info['target']}\n\nThe target's own responses, for training speculative "
@@ -348,7 +463,7 @@ class ResponseCorpus:
         if path.is_file():
             text = re.sub(r"\A---\n(.*?\n)?---\n", "", path.read_text(encoding="utf-8"), flags=re.S)
             body = text.split(COUNTS_MARK)[0]
-        _atomic_write(path, (_card_header(self, counts) + body + _counts_section(counts)).encode())
+        atomic_write_bytes(path, (_card_header(self, counts) + body + _counts_section(counts)).encode())
         return path
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
@@ -361,7 +476,7 @@ class ResponseCorpus:
         api = HfApi(token=token)
         api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
         return api.upload_folder(repo_id=repo_id, repo_type="dataset", folder_path=str(self.path),
-                                 ignore_patterns=[f"{PENDING}/*", ".*.tmp-*"],
+                                 ignore_patterns=[f"{PENDING}/*", ".*.tmp-*", LOCK_GLOB],
                                  commit_message=commit_message or f"{self.counts()['train']['rows']} train responses")
 
     # -- counts -----------------------------------------------------------------------------------------------
@@ -457,25 +572,15 @@ def read_prompt_source(source, *, prompt_column: str = "prompt", split: str = "t
     `hf_chainflow.data.load_prompts` for the fields. Each row needs an `id` here (a corpus is keyed by it), unique."""
     from hf_chainflow.data import _read_jsonl, load_prompts
 
+    given = str(source) if isinstance(source, (str, os.PathLike)) else f"(a {type(source).__name__})"
     if isinstance(source, (str, os.PathLike)) and Path(source).is_file():
         source = _read_jsonl(source)
     elif isinstance(source, (str, os.PathLike)):
-        import datasets
-
-        path = Path(source)
-        if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-            source = datasets.load_from_disk(str(path))
-            if isinstance(source, datasets.DatasetDict):
-                if split not in source:
-                    raise ValueError(f"`prompts` folder {str(path)!r} has the splits {list(source)}, not {split!r}; "
-                                     f"name one of them.")
-                source = source[split]
-        elif path.is_dir() or ("/" in str(source) and not path.exists() and not str(source).startswith((".", "/"))):
-            source = datasets.load_dataset(str(source), split=split)
-        else:
-            raise ValueError(f"`prompts` must be a JSONL file, a dataset folder or a Hub dataset id, got "
-                             f"{str(source)!r}, which does not exist.")
+        source = _read_dataset(str(source), split)
     raw = list(source)
+    if not raw:
+        raise ValueError(f"`prompts` {given!r} holds no prompt rows; give a "
+                         f"JSONL file with one JSON object (id, domain, prompt, ...) per line, or a dataset with rows.")
     for n, row in enumerate(raw):
         if isinstance(row, dict) and not row.get("id"):
             raise ValueError(f"Prompt row {n} has no `id`; a corpus is keyed by prompt id, so give every row one.")
@@ -487,6 +592,50 @@ def read_prompt_source(source, *, prompt_column: str = "prompt", split: str = "t
                              f"ids must be unique.")
         seen[row["id"]] = n
     return rows
+
+
+_HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _read_dataset(source: str, split: str):
+    """The `split` of a dataset folder (`save_to_disk`, or one `load_dataset` reads) or of a Hub dataset id."""
+    import datasets
+
+    path = Path(source)
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"`prompts` folder {str(path)!r} has the splits {list(data)}, not {split!r}; "
+                                 f"name one of them.")
+            data = data[split]
+        return data
+    if path.is_dir():
+        return datasets.load_dataset(source, split=split)
+    if not _HUB_DATASET_ID.match(source) or path.exists():
+        raise ValueError(f"`prompts` must be a JSONL file, a dataset folder or a Hub dataset id, got {source!r}, which "
+                         f"does not exist.")
+    if not _dataset_in_cache(source) and not _hub_reachable():
+        raise ValueError(f"`prompts` {source!r} is neither a local file or folder (there is no such path) nor a Hub "
+                         f"dataset in the local cache, and the Hub cannot be reached (offline, or HF_HUB_OFFLINE is "
+                         f"set); check the path, or load the dataset once where the Hub can be reached.")
+    try:
+        return datasets.load_dataset(source, split=split)
+    except datasets.exceptions.DatasetNotFoundError as err:
+        raise ValueError(f"`prompts` {source!r} is neither a local file or folder (there is no such path) nor a Hub "
+                         f"dataset the Hub knows ({err}); check the path or the dataset id.") from None
+
+
+def _dataset_in_cache(repo_id: str) -> bool:
+    """Whether `datasets` has the Hub dataset `repo_id` in its local caches (so it loads offline)."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+    from huggingface_hub import constants
+
+    namespace, name = repo_id.split("/")
+    built = Path(datasets.config.HF_DATASETS_CACHE) / f"{namespace}___{camelcase_to_snakecase(name)}"
+    downloaded = Path(constants.HF_HUB_CACHE) / f"datasets--{namespace}--{name}"
+    return built.is_dir() or (downloaded / "snapshots").is_dir()
 
 
 def evaluation_prompt_ids() -> set[str]:
@@ -542,7 +691,20 @@ def generate_into_corpus(model, tokenizer, prompts: Sequence[dict], corpus: Resp
     length are generated (left padding) and appended to the pending file after each batch; a shard is written
     whenever `shard_size` rows are pending, and the last pending rows when every prompt is answered. `max_prompts`
     stops after that many new responses (their rows stay pending unless they complete a shard). Returns counts.
+
+    The whole run holds the corpus's writer lock (`writer_lock`): another job writing to the corpus is refused with a
+    `FolderBusyError` naming it; the processes of one `torchrun` job share it. A corpus folder that is not writable is
+    refused before the first batch.
     """
+    check_writable(corpus.path)
+    with corpus.writing():
+        return _generate_locked(model, tokenizer, prompts, corpus, settings, batch_size=batch_size,
+                                shard_size=shard_size, chunk_size=chunk_size, rank=rank, world_size=world_size,
+                                max_prompts=max_prompts, progress=progress)
+
+
+def _generate_locked(model, tokenizer, prompts, corpus, settings, *, batch_size, shard_size, chunk_size, rank,
+                     world_size, max_prompts, progress) -> dict:
     from tqdm.auto import tqdm
 
     from hf_chainflow.data import _eos_ids, _pad_id, chat_prompt_ids, generate_responses

@@ -155,7 +155,8 @@ def read_json(path: str | os.PathLike, *, what: str = "JSON file", expect: type 
 # One writer per folder
 # ----------------------------------------------------------------------------------------------------------------
 
-LOCK_NAME = ".writer.lock"
+LOCK_NAME = ".writer.lock"  # rank 0's (or the only process's); rank r > 0 of a job holds `.writer-p{r}.lock`
+LOCK_GLOB = ".writer*.lock"
 
 
 class FolderBusyError(RuntimeError):
@@ -172,97 +173,111 @@ def _job_id() -> str:
     return f"pid:{os.getpid()}"
 
 
-class FolderLock:
-    """`with FolderLock(folder, what="corpus"):` — this job is the folder's only writer while the block runs.
+def _read_record(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return {}
 
-    Rank 0 of a job (or the only process) takes an exclusive `fcntl.flock` on `folder/.writer.lock` and writes its
-    holder record there (job, pid, host, command, time); other ranks of the same job wait up to `wait` seconds for
-    their rank 0's record and then write alongside it (a rank that comes after its rank 0 has ended takes the lock
-    itself: the record a holder leaves on release names its job, marked `ended`). Any process of another job is
-    refused with a `FolderBusyError` naming the holder. The OS drops the lock when its process ends, a kill included,
-    so a stale lock never blocks a rerun.
+
+def _held_by_another(path: Path) -> bool:
+    """Whether some other open file holds an exclusive `flock` on `path` (probed with a shared one)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    return False
+
+
+class FolderLock:
+    """`with FolderLock(folder, what="response corpus"):` — this job is the folder's only writer while the block runs.
+
+    Each process of a job holds an exclusive `fcntl.flock` on its own lock file in the folder (rank 0 or the only
+    process `.writer.lock`, rank r `.writer-p{r}.lock`) with its record (job, rank, pid, host, command, time), then
+    checks the other lock files: one held by a process of another job refuses this one with a `FolderBusyError`
+    naming it. So the ranks of one `torchrun` job write side by side, and another job of any size is refused until
+    the last rank of the first has ended. The OS drops a lock when its process ends, a kill included, so a stale lock
+    never blocks a rerun. A second `FolderLock` on the folder in the same process is refused like another job's (a
+    caller that nests writes shares its one lock itself). `rank`: this process's rank in its launch.
     """
 
-    def __init__(self, folder: str | os.PathLike, *, what: str = "folder", rank: int = 0, wait: float = 120.0):
-        self.folder, self.what, self.rank, self.wait = Path(folder), what, rank, wait
-        self.path = self.folder / LOCK_NAME
+    def __init__(self, folder: str | os.PathLike, *, what: str = "folder", rank: int = 0):
+        self.folder, self.what, self.rank = Path(folder), what, rank
+        self.path = self.folder / (LOCK_NAME if rank == 0 else f".writer-p{rank}.lock")
         self._fd: int | None = None
 
-    def _holder(self) -> dict:
-        try:
-            return json.loads(self.path.read_text(encoding="utf-8") or "{}")
-        except (OSError, ValueError):
-            return {}
-
     def _busy(self, holder: dict) -> FolderBusyError:
-        who = (f"process {holder.get('pid')} on {holder.get('host')} since {holder.get('since')} "
-               f"({holder.get('command')})") if holder else "another process"
+        job = str(holder.get("job", ""))
+        rank = f" (rank {holder.get('rank', 0)} of job {job})" if job and not job.startswith("pid:") else ""
+        who = (f"process {holder.get('pid')}{rank} on {holder.get('host')} since {holder.get('since')} "
+               f"({holder.get('command')})") if holder.get("pid") else "another process"
         return FolderBusyError(f"The {self.what} {str(self.folder)!r} is being written by {who}; one job writes to it "
                                f"at a time. Wait for that job to end (or stop it), then rerun the same command.")
 
-    def _live_holder(self) -> dict:
-        """The holder's record, or {} when it is the record a holder left on release (`ended`)."""
-        holder = self._holder()
-        return {} if holder.get("ended") else holder
+    def _other_job(self) -> dict | None:
+        """The record of a lock file held by a process of another job, or None. A record still being written (a
+        holder between its lock and its record) is read again for up to a second."""
+        for _ in range(10):
+            found = None
+            for path in sorted(self.folder.glob(LOCK_GLOB)):
+                if path != self.path and _held_by_another(path):
+                    record = _read_record(path)
+                    if record.get("job") != _job_id():
+                        found = record
+                        if record:
+                            return record
+            if found is None:
+                return None
+            time.sleep(0.1)
+        return found
 
     def __enter__(self) -> "FolderLock":
         import fcntl
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + (self.wait if self.rank != 0 else 0)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        for attempt in range(10):  # another job's probe holds it for an instant; a holder for good
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
             except OSError as err:
-                os.close(fd)
-                if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK) or attempt == 9:
+                    os.close(fd)
+                    if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise self._busy(_read_record(self.path)) from None
                     raise
-                if self._joins_held_lock():
-                    return self
-            else:
-                holder = self._holder()
-                # rank 0 takes the lock; so does a later rank of a job whose rank 0 has already ended
-                if self.rank == 0 or (holder.get("ended") and holder.get("job") == _job_id()):
-                    self._take(fd)
-                    return self
-                fcntl.flock(fd, fcntl.LOCK_UN)  # our rank 0 has not taken it yet: wait for it
-                os.close(fd)
-            if time.monotonic() >= deadline:
-                raise self._busy(self._live_holder())
-            time.sleep(0.2)
-
-    def _take(self, fd: int) -> None:
+                time.sleep(0.1)
         self._fd = fd
-        self._record = {"job": _job_id(), "pid": os.getpid(), "host": socket.gethostname(),
-                        "command": " ".join(sys.argv)[:200], "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        self._write_record(self._record)
+        record = {"job": _job_id(), "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                  "command": " ".join(sys.argv)[:200], "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        other = self._other_job()
+        if other is not None:
+            self._release()
+            raise self._busy(other)
+        return self
 
-    def _write_record(self, record: dict) -> None:
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, (json.dumps(record) + "\n").encode(), 0)
-        os.fsync(self._fd)
+    def _release(self) -> None:
+        import fcntl
 
-    def _joins_held_lock(self) -> bool:
-        """The lock is held: True if by our own job's rank 0 (this is another rank); refused if by another job; False
-        while the holder's record is not written yet."""
-        holder = self._live_holder()
-        if self.rank != 0 and holder.get("job") == _job_id() and holder.get("pid") != os.getpid():
-            return True
-        if holder.get("job") not in (None, _job_id()):
-            raise self._busy(holder)
-        return False
+        os.ftruncate(self._fd, 0)  # an unlocked file with a record would name a holder that is gone
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
-            import fcntl
-
-            # the record stays, marked ended, so that a rank of this job that comes later still joins its job
-            self._write_record({"job": self._record["job"], "pid": os.getpid(),
-                                "ended": time.strftime("%Y-%m-%d %H:%M:%S")})
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+            self._release()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -408,7 +423,7 @@ def _checkpoint_hint(folder: Path) -> str:
                                       f"the training finish)")
 
 
-__all__ = ["CHECKPOINT_MARKER", "WEIGHT_FILES", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
+__all__ = ["CHECKPOINT_MARKER", "LOCK_GLOB", "LOCK_NAME", "WEIGHT_FILES", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
            "atomic_write_text", "check_local_or_hub", "check_model_folder", "check_model_json", "fsync_dir",
            "is_complete_checkpoint",
            "last_complete_checkpoint", "mark_checkpoint_complete", "read_json", "remove_stale_temps", "temp_path"]

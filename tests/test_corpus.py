@@ -115,9 +115,11 @@ def test_two_processes_split_the_prompts(tmp_path, saved_target):
     args = [sys.executable, "-m", "hf_chainflow.commands", "generate-responses", "--target", str(saved_target),
             "--prompts", str(prompts), "--corpus", str(tmp_path / "c"), "--max-new-tokens", str(NEW),
             "--dtype", "float32", "--threads", "1", "--batch-size", "4", "--shard-size", "3"]
-    ResponseCorpus.create(tmp_path / "c", target=str(saved_target), tokenizer=load_tokenizer())  # no create race
-    procs = [subprocess.Popen(args, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    # as under torchrun: one job id (TORCHELASTIC_RUN_ID), so the two processes share the corpus's writer lock; they
+    # make the new corpus together
+    env = {**os.environ, "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": f"test-{os.getpid()}"}
+    procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     corpus = ResponseCorpus(tmp_path / "c")
@@ -277,3 +279,4 @@ def test_push_to_hub_uploads_the_folder_without_pending_rows(tmp_path, model, to
     assert repo == "me/responses" and create == {"repo_type": "dataset", "private": True, "exist_ok": True}
     assert upload["repo_type"] == "dataset" and upload["folder_path"] == str(corpus.path)
     assert ".pending/*" in upload["ignore_patterns"] and (corpus.path / "README.md").is_file()
+    assert ".writer*.lock" in upload["ignore_patterns"] and (corpus.path / ".writer.lock").is_file()  # the lock stays

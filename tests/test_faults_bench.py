@@ -240,7 +240,7 @@ def test_overwrite_starts_a_fresh_journal_atomically(tiny, uninterrupted, tmp_pa
         with pytest.raises(KeyboardInterrupt):
             main(_argv(tiny, out) + ["--overwrite"])
     assert journal.read_bytes() == before  # the old journal whole, no temporary file left beside it
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [LOCK_NAME]  # the lock, empty
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [LOCK_NAME]  # the lock file (released)
 
     with caplog.at_level("WARNING", logger="hf_chainflow.bench.journal"):
         assert main(_argv(tiny, out) + ["--overwrite"]) == 0

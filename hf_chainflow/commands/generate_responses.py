@@ -3,8 +3,9 @@
     hf-chainflow generate-responses --prompts ../shared/data/prompts/train.jsonl \\
         --corpus corpus/smollm2-135m-instruct --domains code,math,qa,mt,rag,summ,tool,transl --seed 20261204
 
-Rerun the same command to continue a killed run; under `torchrun --nproc_per_node N` each process answers every N-th
-prompt and writes its own shards.
+Rerun the same command to continue a killed run (or one stopped by a full disk); under `torchrun --nproc_per_node N`
+each process answers every N-th prompt and writes its own shards. One job writes to a corpus at a time (its writer
+lock); another is refused, naming the holder, before its model loads.
 """
 
 from __future__ import annotations
@@ -58,31 +59,69 @@ def _file_sha256(path: str) -> str | None:
 
 
 def run_generate_responses(args: argparse.Namespace) -> int:
+    """Every check that needs no model (options, the corpus folder, the prompts) runs before the model loads; the
+    corpus's writer lock is held from then on (a second job writing to it is refused, naming the holder)."""
     from hf_chainflow import corpus as corpora
 
     rank, world = corpora.process_rank()
     if args.flush:
-        corpus = corpora.ResponseCorpus(args.corpus)
-        shard = corpus.flush_pending(rank=rank)
-        if shard is not None:
-            corpus.write_card()
-        print(f"wrote {shard}" if shard else f"no pending responses of process {rank} in {args.corpus}")
-        return 0
+        return _flush(args, rank)
     if not args.prompts:
         raise usage_error("generate-responses", "give --prompts (or --flush).")
     check_model_source("--target", args.target, ("smollm2-135m-instruct",))
-    if Path(args.corpus).exists() and not Path(args.corpus).is_dir():
-        raise ValueError(f"`--corpus` must be a folder, got {args.corpus!r}, which is a file.")
+    _check_corpus_folder(args.corpus)
     rows = corpora.read_prompt_source(args.prompts, prompt_column=args.prompt_column, split=args.prompts_split)
-    evaluation = corpora.evaluation_prompt_ids()
     selection = corpora.select_prompts(rows, domains=args.domains, per_domain=args.per_domain, seed=args.seed,
-                                       exclude=evaluation)
+                                       exclude=corpora.evaluation_prompt_ids())
     if not selection:
-        raise ValueError(f"No prompt of `--prompts` {args.prompts!r} is left to answer with --domains "
-                         f"{args.domains}; check the domain names.")
+        raise ValueError(_nothing_selected(args, rows))
+    with corpora.writer_lock(args.corpus):
+        result = _generate(args, selection, rank, world)
+    print(f"process {rank}/{world}: {result['generated']} responses, {result['response_tokens']} tokens in "
+          f"{result['seconds']:.0f} s; {len(result['shards'])} new shards; {result['pending']} responses pending")
+    return 0
 
+
+def _check_corpus_folder(path: str) -> None:
+    """`--corpus` is an existing corpus whose corpus.json reads, or a new / empty / half-made folder; writable."""
+    from hf_chainflow import corpus as corpora
+
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"`--corpus` must be a folder, got {path!r}, which is a file.")
+    if (Path(path) / corpora.INFO).is_file():
+        corpora.ResponseCorpus(path)
+    else:
+        corpora.check_new_corpus_folder(path)
+    corpora.check_writable(path)
+
+
+def _nothing_selected(args: argparse.Namespace, rows: list[dict]) -> str:
+    domains = sorted({r["domain"] for r in rows})
+    if args.domains and not set(args.domains) & set(domains):
+        return (f"`--domains` {','.join(args.domains)} names none of the domains of `--prompts` {args.prompts!r} "
+                f"({', '.join(domains)}); check the domain names.")
+    return (f"Every prompt of `--prompts` {args.prompts!r}"
+            f"{' in --domains ' + ','.join(args.domains) if args.domains else ''} is an evaluation prompt "
+            f"(hf_chainflow/data/eval_prompts.jsonl), which is never answered into a corpus; give other prompts.")
+
+
+def _flush(args: argparse.Namespace, rank: int) -> int:
+    from hf_chainflow import corpus as corpora
+
+    corpus = corpora.ResponseCorpus(args.corpus)
+    corpora.check_writable(args.corpus)
+    with corpora.writer_lock(args.corpus):
+        shard = corpus.flush_pending(rank=rank)
+        if shard is not None:
+            corpus.write_card()
+    print(f"wrote {shard}" if shard else f"no pending responses of process {rank} in {args.corpus}")
+    return 0
+
+
+def _generate(args: argparse.Namespace, selection: list[dict], rank: int, world: int) -> dict:
     import torch
 
+    from hf_chainflow import corpus as corpora
     from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:
@@ -93,11 +132,9 @@ def run_generate_responses(args: argparse.Namespace) -> int:
     corpus = corpora.ResponseCorpus.create(args.corpus, target=args.target, tokenizer=tokenizer)
     corpus.record_selection({"prompts": os.path.basename(str(args.prompts)), "prompts_sha256": _file_sha256(
         args.prompts), "domains": args.domains, "per_domain": args.per_domain, "seed": args.seed,
-        "excluded": "the evaluation prompts (hf_chainflow/data/eval_prompts.jsonl)", "prompts_selected": len(selection)})
+        "excluded": "the evaluation prompts (hf_chainflow/data/eval_prompts.jsonl)",
+        "prompts_selected": len(selection)})
     settings = corpora.GenerationSettings.here(args.dtype, device, max_new_tokens=args.max_new_tokens)
-    result = corpora.generate_into_corpus(model, tokenizer, selection, corpus, settings, batch_size=args.batch_size,
-                                          shard_size=args.shard_size, rank=rank, world_size=world,
-                                          max_prompts=args.max_prompts)
-    print(f"process {rank}/{world}: {result['generated']} responses, {result['response_tokens']} tokens in "
-          f"{result['seconds']:.0f} s; {len(result['shards'])} new shards; {result['pending']} responses pending")
-    return 0
+    return corpora.generate_into_corpus(model, tokenizer, selection, corpus, settings, batch_size=args.batch_size,
+                                        shard_size=args.shard_size, rank=rank, world_size=world,
+                                        max_prompts=args.max_prompts)
