@@ -42,6 +42,7 @@ from typing import Iterable, Sequence
 
 from hf_chainflow.fileio import (LOCK_GLOB, FolderBusyError, FolderLock, _hub_reachable, _job_id, atomic_write_bytes,
                                  read_json, remove_stale_temps)
+from hf_chainflow.fileio import check_writable as _check_writable
 
 FORMAT = "hf_chainflow.corpus/1"
 INFO = "corpus.json"
@@ -190,28 +191,11 @@ def writer_lock(path: str | os.PathLike, *, rank: int | None = None):
             del _HELD[key]
 
 
-def _nearest_folder(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_writable(path: str | os.PathLike) -> None:
     """A `ValueError` naming the folder unless the corpus folder, its `data/` and `.pending/` (for a new corpus: the
-    folder it will be made in) take a new file. Checked by writing and removing one (permissions alone say nothing to
-    root or on a read-only mount), so that a read-only corpus is refused before a model loads, not after a batch."""
-    path = Path(path)
-    folders = [p for p in (path, path / "data", path / PENDING) if p.is_dir()] or [_nearest_folder(path)]
-    for folder in folders:
-        probe = folder / f".write-probe.tmp-{os.getpid()}"
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-            os.unlink(probe)
-        except OSError as err:
-            raise ValueError(f"`corpus` {str(path)!r}: the folder {str(folder)!r} is not writable ({err.strerror}); "
-                             f"the responses could not be saved. Make it writable (or give another `--corpus`) "
-                             f"before generating.") from None
+    folder it will be made in) take a new file (`fileio.check_writable`): a read-only corpus is refused before a
+    model loads, not after a batch."""
+    _check_writable("corpus", path, subfolders=("data", PENDING))
 
 
 def _not_half_made(path: Path) -> list[str]:

@@ -9,7 +9,8 @@ Output directory
 - `manifest.json`: settings, target facts (`hidden_size`, `vocab_size`, `eos_token_ids`, `pad_token_id`), the
   `domains`/`languages` of the whole plan (sorted; window `domain` fields index into `domains`), and `finished`
   (the finished shard numbers).
-- `shards/shard-00000.safetensors`, one per `shard_size` sequences, written atomically (temp file + rename):
+- `shards/shard-00000.safetensors`, one per `shard_size` sequences, written atomically (`hf_chainflow.fileio`: temp
+  file, fsync, rename, folder fsync; a kill leaves the old file or none, and a rerun removes the dead temp files):
   `hidden (T, D) float16`, `tokens (T,) int64`, `offsets (N+1,) int64` (sequence `n` is rows
   `offsets[n]:offsets[n+1]`), `response_start (N,) int64` (index of the first response token inside the
   sequence's stored span), with `target_layers` also `layer_<i> (T, D) float16` (decoder layer `i`'s output), with
@@ -60,6 +61,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from . import fileio
+
 FORMAT = "hf_chainflow.data/1"
 LATER_SETTINGS = {"target_labels": False, "prompt_text": None, "hidden_dtype": "float32"}  # manifest settings, as absent ones read
 MANIFEST, PLAN, INDEX, SHORTLIST = "manifest.json", "plan.json", "index.jsonl", "shortlist.json"
@@ -68,7 +71,8 @@ PROMPT_TAIL = 16
 __all__ = [
     "prepare", "load_prompts", "load_responses", "chat_prompt_ids", "text_ids", "generate_responses",
     "final_hidden_states", "target_hidden_states", "target_argmax",
-    "read_manifest", "read_shortlist", "compute_shortlist", "iter_sequences", "state_statistics", "layer_statistics",
+    "read_manifest", "read_shortlist", "check_prepared_data", "compute_shortlist", "iter_sequences",
+    "state_statistics", "layer_statistics",
     "ChainFlowWindowDataset", "collate",
 ]
 
@@ -325,20 +329,64 @@ def target_argmax(model: PreTrainedModel, states: torch.Tensor, chunk: int = 102
 # ----------------------------------------------------------------------------------------------------------------
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    fileio.atomic_write_text(path, text)  # temp file, fsync, rename, folder fsync; the temp file goes on any error
 
 
 def shard_path(out_dir: str | os.PathLike, shard: int) -> Path:
     return Path(out_dir) / "shards" / f"shard-{shard:05d}.safetensors"
 
 
-def read_manifest(out_dir: str | os.PathLike) -> dict:
+def _list_of(kind):
+    return lambda v: isinstance(v, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in v)
+
+
+# The manifest keys that code reads, each with the rule its value must meet (`read_manifest`).
+_MANIFEST_RULES = {
+    "finished": ("a list of shard numbers (integers >= 0)", lambda v: _list_of(int)(v) and all(x >= 0 for x in v)),
+    "num_shards": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "num_sequences": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "shard_size": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "hidden_size": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "vocab_size": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "pad_token_id": ("an integer", _is_int),
+    "eos_token_ids": ("a list of token ids (integers)", _list_of(int)),
+    "domains": ("a list of domain names (strings)", _list_of(str)),
+    "languages": ("a list of language names (strings)", _list_of(str)),
+    "target_layers": ("null or a list of layer numbers (integers)", lambda v: v is None or _list_of(int)(v)),
+    "target_labels": ("true or false", lambda v: isinstance(v, bool)),
+    "prompt_text": ("null or a string", lambda v: v is None or isinstance(v, str)),
+}
+# What the training windows read: `ChainFlowWindowDataset`, `compute_shortlist`.
+WINDOW_KEYS = ("finished", "hidden_size", "pad_token_id", "domains")
+TRAINING_KEYS = (*WINDOW_KEYS, "eos_token_ids")
+
+
+def _manifest_fix(out_dir) -> str:
+    return (f"Move it aside and rerun the `hf-chainflow prepare ... --out {out_dir}` command that made it: it "
+            f"rebuilds the manifest and keeps the finished shards.")
+
+
+def read_manifest(out_dir: str | os.PathLike, *, require: Sequence[str] = ("finished",)) -> dict:
+    """The manifest of a prepared data directory, checked: valid JSON holding an object, the `require`d keys there,
+    and every key that code reads of the type it must have (`_MANIFEST_RULES`); else a `ValueError` naming the file,
+    the key, the rule and the fix."""
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
         raise ValueError(f"`{out_dir}` holds no {MANIFEST}; run `hf-chainflow prepare --out {out_dir}` first.")
-    return json.loads(path.read_text())
+    manifest = fileio.read_json(path, what="data manifest", expect=dict, fix=_manifest_fix(out_dir))
+    absent = [key for key in require if key not in manifest]
+    if absent:
+        raise ValueError(f"{path}: the data manifest has no {', '.join(f'`{k}`' for k in absent)}; it is damaged or "
+                         f"was not written by `hf-chainflow prepare`. {_manifest_fix(out_dir)}")
+    for key, (rule, ok) in _MANIFEST_RULES.items():
+        if key in manifest and not ok(manifest[key]):
+            raise ValueError(f"{path}: `{key}` must be {rule}, got {json.dumps(manifest[key])[:60]}; the manifest is "
+                             f"damaged. {_manifest_fix(out_dir)}")
+    beyond = [s for s in manifest.get("finished", ()) if s >= manifest.get("num_shards", s + 1)]
+    if beyond:
+        raise ValueError(f"{path}: `finished` lists shards {beyond[:5]} beyond `num_shards` {manifest['num_shards']}; "
+                         f"the manifest is damaged. {_manifest_fix(out_dir)}")
+    return manifest
 
 
 def _shard_records(path: Path) -> list[dict]:
@@ -369,7 +417,7 @@ def compute_shortlist(out_dir: str | os.PathLike, manifest: dict | None = None) 
     """Sorted unique token ids of all finished responses plus the EOS id(s) (finished per `manifest`, by default
     the one on disk). For data with `target_labels`: the labels the windows predict (those after the first
     response position up to the second-to-last), not the text's tokens."""
-    manifest = read_manifest(out_dir) if manifest is None else manifest
+    manifest = read_manifest(out_dir, require=("finished", "eos_token_ids")) if manifest is None else manifest
     labelled = bool(manifest.get("target_labels"))
     seen = set(manifest["eos_token_ids"])
     for shard in manifest["finished"]:
@@ -383,11 +431,44 @@ def compute_shortlist(out_dir: str | os.PathLike, manifest: dict | None = None) 
 
 
 def read_shortlist(out_dir: str | os.PathLike) -> list[int]:
-    """The vocabulary shortlist saved by `prepare` (for `ChainFlowConfig.shortlist`)."""
+    """The vocabulary shortlist saved by `prepare` (for `ChainFlowConfig.shortlist`), checked: a JSON object whose
+    `shortlist` is a list of token ids; else a `ValueError` naming the file and the fix."""
     path = Path(out_dir) / SHORTLIST
     if not path.is_file():
         raise ValueError(f"`{out_dir}` holds no {SHORTLIST}; run `hf-chainflow prepare --out {out_dir}` first.")
-    return json.loads(path.read_text())["shortlist"]
+    fix = (f"Rerun the `hf-chainflow prepare ... --out {out_dir}` command that made it: it writes {SHORTLIST} again "
+           f"from the finished shards.")
+    value = fileio.read_json(path, what="vocabulary shortlist", expect=dict, fix=fix).get("shortlist")
+    if not _list_of(int)(value) or any(i < 0 for i in value):
+        raise ValueError(f"{path}: `shortlist` must be a list of token ids (integers >= 0), got "
+                         f"{json.dumps(value)[:60]}; the file is damaged. {fix}")
+    return value
+
+
+def check_prepared_data(data_dir: str | os.PathLike, shards: Sequence[int] | None = None) -> dict:
+    """Check what training reads of a prepared data directory, before any model loads: the manifest (`TRAINING_KEYS`
+    of their types), the shortlist, and each finished shard (or each of `shards`) a readable shard file. Returns the
+    manifest; raises a `ValueError` naming the file and the fix."""
+    manifest = read_manifest(data_dir, require=TRAINING_KEYS)
+    read_shortlist(data_dir)
+    fix = (f"delete it and rerun the `hf-chainflow prepare ... --out {data_dir}` command that made it: it redoes the "
+           f"missing shards")
+    unfinished = sorted(set(shards or ()) - set(manifest["finished"]))
+    if unfinished:
+        raise ValueError(f"`shards` {unfinished} are not finished in `{data_dir}` (finished: {manifest['finished']}); "
+                         f"choose finished shards, or finish them with the same `hf-chainflow prepare` command.")
+    for shard in manifest["finished"] if shards is None else shards:
+        path = shard_path(data_dir, shard)
+        if not path.is_file():
+            raise ValueError(f"Shard {shard} is listed as finished in `{data_dir}` but {path} is missing; rerun the "
+                             f"`hf-chainflow prepare ... --out {data_dir}` command that made it to redo it.")
+        try:
+            records = _shard_records(path)
+        except Exception as err:  # safetensors raises its own error type for a damaged header
+            raise ValueError(f"{path}: the shard file is damaged ({type(err).__name__}: {err}); {fix}.") from None
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: the shard's `sequences` metadata is not a list; {fix}.")
+    return manifest
 
 
 def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch.Tensor], prompt_tail: int,
@@ -417,11 +498,10 @@ def _write_shard(out_dir: Path, shard: int, rows: list[dict], hidden: list[torch
                "response_start": torch.tensor(starts, dtype=torch.long)}
     if labels is not None:
         tensors["labels"] = torch.cat(labels)
-    path = shard_path(out_dir, shard)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "sequences": json.dumps(records)})
-    tmp.chmod(0o644)  # safetensors creates it private; the data is meant to be shared
-    os.replace(tmp, path)
+    # temp file, fsync, readable by all (safetensors creates it private; the data is meant to be shared), rename,
+    # folder fsync; on any error the temp file is removed
+    with fileio.atomic_path(shard_path(out_dir, shard), mode=0o644) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "sequences": json.dumps(records)})
 
 
 def _write_index_and_shortlist(out_dir: Path, manifest: dict) -> None:
@@ -591,8 +671,10 @@ def prepare(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir:
     inputs_sha256 = content.hexdigest()
 
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
+    for folder in (out_dir, out_dir / "shards", out_dir / "responses"):  # left by a killed run (its process is gone)
+        fileio.remove_stale_temps(folder)
     if (out_dir / MANIFEST).is_file():
-        manifest = read_manifest(out_dir)
+        manifest = read_manifest(out_dir, require=("finished", "num_shards"))
         # (settings added later read as their defaults in manifests written before them)
         old = {k: manifest.get(k, LATER_SETTINGS.get(k)) for k in settings} | {"plan_sha256": manifest.get("plan_sha256")}
         new = settings | {"plan_sha256": fingerprint}
@@ -791,7 +873,7 @@ class ChainFlowWindowDataset(torch.utils.data.Dataset):
                 raise ValueError(f"`{name}` must be None (all) or a non-empty list of {kind.__name__}s, got "
                                  f"{value!r}; e.g. `{name}=[{'0, 1' if kind is int else repr('math')}]`.")
         self.data_dir = Path(data_dir)
-        manifest = read_manifest(data_dir)
+        manifest = read_manifest(data_dir, require=WINDOW_KEYS)
         self.C, self.K, self.p = context_len, num_draft, num_parents
         self.hidden_size = manifest["hidden_size"]
         self.pad_token_id = manifest["pad_token_id"]

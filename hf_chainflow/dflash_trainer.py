@@ -5,7 +5,8 @@
 `hf_chainflow.dflash.dflash_block_logits` computes (the drafter between the target's embeddings and its LM head,
 exactly as transformers' DFlash generation path runs it). The target stays outside the model: it is frozen, neither
 optimised nor saved, so `trainer.save_model(dir)` writes a plain transformers folder (`config.json`,
-`model.safetensors`) that stock transformers loads and runs with `speculation_type="dflash"`.
+`model.safetensors`) that stock transformers loads and runs with `speculation_type="dflash"`. Checkpoints are
+complete-only, as `ChainFlowTrainer`'s (`hf_chainflow.checkpointing.CompleteCheckpointsMixin`).
 
 Logged beside `loss`: `loss_ce`, `loss_accuracy` (top-1 of the masked positions) and `loss_tau` (1 + the mean
 accepted length of greedy verification of the training blocks: an offline acceptance length), averaged over the
@@ -24,6 +25,7 @@ from .data import ChainFlowWindowDataset
 from .dflash import check_dflash_drafter, dflash_block_logits
 from .dflash_data import DFlashWindowDataset
 from .losses import block_acceptance_lengths, dflash_loss
+from .checkpointing import CompleteCheckpointsMixin
 
 
 @dataclass
@@ -81,7 +83,7 @@ def check_dflash_windows(config, dataset) -> None:
                              f"drafter)); build them with `DFlashWindowDataset.for_drafter(data_dir, drafter.config)`.")
 
 
-class DFlashTrainer(Trainer):
+class DFlashTrainer(CompleteCheckpointsMixin, Trainer):
     """`Trainer` for a DFlash drafter (`MuseGlimmerAssistantModel`) of `target`.
 
     Args:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .cli_args import usage_error
+from .fileio import atomic_write_text
 
 # `hf-chainflow train` options that only a ChainFlow drafter uses; a DFlash run refuses them set.
 CHAINFLOW_ONLY_OPTIONS = ("lora", "vae_pretrain_steps", "vae_lr_ratio", "train_flow_steps")
@@ -42,30 +43,20 @@ def train_dflash_drafter(o: dict, defaults: dict | None = None) -> int:
     (`hf_chainflow.commands.train.resolve_train_options`); the model card's command names the options that differ
     from `defaults` (all of them without). Returns 0."""
     from transformers import MuseGlimmerAssistantModel
-    from transformers.trainer_utils import get_last_checkpoint
 
-    from .data import read_manifest, read_shortlist
+    from .data import read_shortlist
     from .dflash import build_dflash_drafter, check_dflash_drafter, check_dflash_target
     from .dflash_data import DFlashWindowDataset
     from .dflash_trainer import DFlashTrainer, DFlashTrainingArguments
     from .evaluation import strict_json
     from .targets import load_model_and_tokenizer
     from .trainer import ReplayMixDataset
-    from .workflows import run_training, throughput_summary
+    from .workflows import check_training_inputs, run_training, throughput_summary
 
-    manifest = read_manifest(o["data"])
-    missing = sorted(set(o["shards"] or []) - set(manifest["finished"]))
-    if missing:
-        raise ValueError(f"`--shards` selects {missing}, which are not finished in `{o['data']}` (finished: "
-                         f"{manifest['finished']}).")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("DFlash training runs in one process; launch `hf-chainflow train --drafter-type dflash` "
                          "without torchrun / accelerate.")
-    resume = o["resume"]
-    if resume == "last":
-        resume = get_last_checkpoint(o["out"]) if Path(o["out"]).is_dir() else None
-        if resume is None:
-            raise usage_error("train", f"--resume last, but --out {o['out']!r} holds no checkpoint-* directory.")
+    manifest, resume = check_training_inputs(o)  # before the target loads: bad data or checkpoints fail now
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     dtype = getattr(torch, o["dtype"])
@@ -113,8 +104,8 @@ def train_dflash_drafter(o: dict, defaults: dict | None = None) -> int:
                "mask_token": tokenizer.convert_ids_to_tokens(mask), "data_manifest": {
                    k: manifest.get(k) for k in ("target", "num_sequences", "finished", "target_layers")},
                "options": dict(o)}
-    Path(o["out"], "train_summary.json").write_text(strict_json(summary, indent=1, default=str))
-    Path(o["out"], "README.md").write_text(dflash_model_card(config, summary, defaults))
+    atomic_write_text(Path(o["out"], "train_summary.json"), strict_json(summary, indent=1, default=str))
+    atomic_write_text(Path(o["out"], "README.md"), dflash_model_card(config, summary, defaults))
     print(f"saved DFlash drafter to {o['out']}: {summary['steps']} steps, {summary['windows_this_run']} windows in "
           f"{elapsed:.1f} s, train loss {result.training_loss:.4f}")
     return 0

@@ -100,6 +100,38 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def check_writable(flag: str, path: str | os.PathLike, *, subfolders: tuple[str, ...] = ()) -> None:
+    """An output folder must take a new file: a probe file is created and removed in it and in each existing
+    `subfolders` entry (or, when it does not exist yet, in the nearest existing folder above it, where it will be
+    made); permissions alone say nothing to root or on a read-only mount. Raises a `ValueError` naming `flag`, the
+    folder and the OS's reason, so that a command refuses before its model loads, not after its first write."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"`{flag}` must name a folder, got {str(path)!r}, which is an existing file; choose another "
+                         f"path.")
+    folders = [path / sub for sub in ("", *subfolders) if (path / sub).is_dir()]
+    if not folders:
+        nearest = path
+        while not nearest.exists():
+            nearest = nearest.parent
+        if not nearest.is_dir():
+            raise ValueError(f"`{flag}` {str(path)!r} cannot be made: {str(nearest)!r} is a file, not a folder; "
+                             f"choose another path.")
+        folders = [nearest]
+    for folder in folders:
+        probe = temp_path(folder / ".write-probe")  # `.NAME.tmp-PID`: a rerun's `remove_stale_temps` clears a leftover
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as err:
+            where = ("" if folder == path else f" (its folder {str(folder)!r})" if path.exists() else
+                     f" (it does not exist yet; its parent {str(folder)!r} is where it would be made)")
+            raise ValueError(f"`{flag}` {str(path)!r} cannot be written{where}: creating a file there failed "
+                             f"({err.strerror or err}); choose a folder you can write to, or fix its permissions or "
+                             f"free its disk.") from None
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
 def remove_stale_temps(folder: str | os.PathLike, *, recursive: bool = False) -> list[Path]:
     """Remove the temporary files (`.NAME.tmp-PID`) under `folder` whose process is gone (left by a kill or a full
     disk); returns them. Temporary files of live processes are kept."""
@@ -424,6 +456,6 @@ def _checkpoint_hint(folder: Path) -> str:
 
 
 __all__ = ["CHECKPOINT_MARKER", "LOCK_GLOB", "LOCK_NAME", "WEIGHT_FILES", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
-           "atomic_write_text", "check_local_or_hub", "check_model_folder", "check_model_json", "fsync_dir",
+           "atomic_write_text", "check_local_or_hub", "check_writable", "check_model_folder", "check_model_json", "fsync_dir",
            "is_complete_checkpoint",
            "last_complete_checkpoint", "mark_checkpoint_complete", "read_json", "remove_stale_temps", "temp_path"]

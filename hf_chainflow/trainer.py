@@ -9,7 +9,9 @@ a plain `Trainer`:
 - an optional VAE pre-training stage (`vae_pretrain_steps`): only `L_rec` trains the VAE, on the cached states,
   before the joint training starts (a fresh run only; a resumed run skips it, it happened before the checkpoint);
 - the target stays outside the model: the drafter borrows its `lm_head`/embeddings through `bind_target`, so they
-  are neither optimised nor saved (checkpoints hold `config.json`, `model.safetensors`, `generation_config.json`).
+  are neither optimised nor saved (checkpoints hold `config.json`, `model.safetensors`, `generation_config.json`);
+- complete-only checkpoints (`hf_chainflow.checkpointing.CompleteCheckpointsMixin`, which every trainer inherits): a
+  checkpoint counts only once its marker is written, after all its files, and resuming takes only such ones.
 
 Language adaptation (warm start at a lower learning rate, replay of earlier-language rows): `warm_start`,
 `adaptation_arguments`, `ReplayMixDataset`.
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainingArguments, default_data_collator
 
 from .data import check_windows_fit
+from .checkpointing import CompleteCheckpointsMixin
 from .losses import DEFAULT_LOSS_WEIGHTS, EXTRA_LOSS_WEIGHTS, chainflow_loss, reconstruction_loss
 from .modeling_chainflow import ChainFlowDrafter
 
@@ -166,7 +169,7 @@ def _is_vae_parameter(name: str) -> bool:
     return ".vae." in f".{name}"
 
 
-class ChainFlowTrainer(Trainer):
+class ChainFlowTrainer(CompleteCheckpointsMixin, Trainer):
     """`Trainer` for a `ChainFlowDrafter` bound to its target.
 
     Args:

@@ -15,6 +15,7 @@ from torch.utils.data import ConcatDataset
 
 from .cli_args import usage_error
 from .corpus_lookup import ContinuationTable, table_from_corpus
+from .fileio import atomic_write_text
 
 
 def window_dataset(data_dir, config, **kwargs):
@@ -31,26 +32,13 @@ def train_drafter(o: dict) -> int:
     warm-start or resume the drafter, mix in the replay data, train, save to `o["out"]` with
     `train_summary.json`. Returns 0."""
     from hf_chainflow.configuration_chainflow import ChainFlowConfig
-    from hf_chainflow.data import compute_shortlist, layer_statistics, read_manifest, read_shortlist, state_statistics
+    from hf_chainflow.data import compute_shortlist, layer_statistics, read_shortlist, state_statistics
     from hf_chainflow.evaluation import strict_json
     from hf_chainflow.modeling_chainflow import ChainFlowDrafter
     from hf_chainflow.targets import load_model_and_tokenizer
     from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
 
-    manifest = read_manifest(o["data"])  # before the target loads: a missing --data fails now
-    finished = manifest["finished"]
-    missing = sorted(set(o["shards"] or []) - set(finished))
-    if missing:
-        raise ValueError(f"`--shards` (or `shards:` in --config) selects {missing}, which are not finished in "
-                         f"`{o['data']}` (finished: {finished}); choose finished shards, or finish them with the "
-                         f"same `hf-chainflow prepare` command.")
-    resume = o["resume"]
-    if resume == "last":  # before the target loads
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(o["out"]) if Path(o["out"]).is_dir() else None
-        if resume is None:
-            raise usage_error("train", f"--resume last, but --out {o['out']!r} holds no checkpoint-* directory.")
+    manifest, resume = check_training_inputs(o)  # before the target loads: bad data or checkpoints fail now
     # A resumed run continues the checkpoint's own drafter (its sizes, shortlist and state statistics), whatever
     # options built it; a LoRA checkpoint holds only the adapter, which the Trainer reloads into --init-from.
     resume_drafter = bool(resume) and not o["lora"] and Path(resume, "config.json").is_file()
@@ -124,12 +112,33 @@ def train_drafter(o: dict) -> int:
                "replay_windows_available": replay_windows, "num_processes": training_args.world_size,
                "vae_pretrain": vae_pretrain_summary(trainer.vae_pretrain_losses),
                "options": {k: v for k, v in o.items()}}
-    Path(o["out"], "train_summary.json").write_text(strict_json(summary, indent=1, default=str))
+    atomic_write_text(Path(o["out"], "train_summary.json"), strict_json(summary, indent=1, default=str))
     what = f"LoRA adapter {o['lora']!r}" if o["lora"] else "drafter"
     print(f"saved {what} to {o['out']}: {summary['steps']} steps ({summary['steps_this_run']} in this run), "
           f"{summary['windows_this_run']} windows in {elapsed:.1f} s ({summary['windows_per_second']} windows/s), "
           f"train loss {result.training_loss:.4f}")
     return 0
+
+
+def check_training_inputs(o: dict) -> tuple[dict, str | None]:
+    """What `hf-chainflow train` checks before it loads a model (`o`: its resolved options): the `--data` and
+    `--replay` folders (`hf_chainflow.data.check_prepared_data`: manifest, shortlist, the selected shards) and the
+    checkpoint to resume from (`hf_chainflow.checkpointing.resolve_resume_checkpoint`: `last` is the newest complete one).
+    Returns `(the --data manifest, the checkpoint folder or None)`; raises a `ValueError` naming the file or option
+    and the fix."""
+    from hf_chainflow.data import check_prepared_data, read_manifest
+    from hf_chainflow.checkpointing import resolve_resume_checkpoint
+
+    finished = read_manifest(o["data"])["finished"]
+    missing = sorted(set(o["shards"] or []) - set(finished))
+    if missing:
+        raise ValueError(f"`--shards` (or `shards:` in --config) selects {missing}, which are not finished in "
+                         f"`{o['data']}` (finished: {finished}); choose finished shards, or finish them with the "
+                         f"same `hf-chainflow prepare` command.")
+    manifest = check_prepared_data(o["data"], o["shards"])
+    for folder, shards in zip(o["replay"] or [], o["replay_shards"] or []):
+        check_prepared_data(folder, shards)
+    return manifest, resolve_resume_checkpoint(o["resume"], o["out"], flags=("--resume", "--out"))
 
 
 def run_training(trainer, resume: str | None, out: str) -> tuple:
@@ -189,7 +198,7 @@ def evaluate_drafter(drafter: str, data: str, *, target: str = "smollm2-135m-ins
     result = evaluate_offline(drafter_model, windows, output_dir=out, **evaluate_kwargs)
     result["drafter"], result["data"] = str(drafter), str(data)
     if out:
-        Path(out, "offline_eval.json").write_text(strict_json(result, indent=1))
+        atomic_write_text(Path(out, "offline_eval.json"), strict_json(result, indent=1))
     return result
 
 
@@ -210,6 +219,6 @@ def add_corpus_lookup(drafter, corpus, out, *, num_tokens: int = 6, **table_kwar
     return table
 
 
-__all__ = ["add_corpus_lookup", "evaluate_drafter", "run_training", "throughput_summary", "train_drafter",
-           "vae_pretrain_summary", "window_dataset"]
+__all__ = ["add_corpus_lookup", "check_training_inputs", "evaluate_drafter", "run_training", "throughput_summary",
+           "train_drafter", "vae_pretrain_summary", "window_dataset"]
 

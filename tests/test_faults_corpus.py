@@ -279,14 +279,15 @@ def test_a_read_only_corpus_is_refused_before_the_model_loads(tmp_path, tok, mod
 
     monkeypatch.setattr(os, "open", read_only)
     message = _refusal(_cli(saved_target, prompts_file, corpus.path))
-    assert f"the folder {str(corpus.path)!r} is not writable (Read-only file system)" in message
+    assert (f"`corpus` {str(corpus.path)!r} cannot be written: creating a file there failed (Read-only file system)"
+            in message)
     import hf_chainflow.data
 
     def no_batch(*args, **kwargs):
         raise AssertionError("a batch was generated before the read-only corpus was found")
 
     monkeypatch.setattr(hf_chainflow.data, "generate_responses", no_batch)
-    with pytest.raises(ValueError, match="is not writable"):
+    with pytest.raises(ValueError, match="cannot be written"):
         generate_into_corpus(model, tok, _prompts(4), corpus, SETTINGS, progress=False)
 
 

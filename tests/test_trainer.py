@@ -171,6 +171,29 @@ def test_resume_from_checkpoint_continues_the_same_run(target, windows, tmp_path
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_resume_from_checkpoint_true_takes_the_newest_complete_checkpoint(target, windows, tmp_path, caplog):
+    """The Trainer's own `resume_from_checkpoint=True` skips a half-written checkpoint (no marker; here the kill left
+    no trainer state or optimizer) for the newest complete one; naming the half-written one is refused."""
+    full = new_drafter(target)
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, logging_steps=1)
+    ChainFlowTrainer(model=full, args=args, train_dataset=windows).train()
+    half = tmp_path / "checkpoint-4"
+    for name in ("checkpoint_complete.json", "trainer_state.json", "optimizer.pt"):
+        (half / name).unlink(missing_ok=True)
+    trainer = ChainFlowTrainer(model=new_drafter(target, seed=123), args=args, train_dataset=windows)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint '.*checkpoint-4' is an incomplete checkpoint: it "
+                                         r"lacks checkpoint_complete.json and a readable trainer_state.json, "
+                                         r"optimizer.pt .* resume from `resume_from_checkpoint='.*checkpoint-2'`"):
+        trainer.train(resume_from_checkpoint=str(half))
+    with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):
+        trainer.train(resume_from_checkpoint=True)
+    assert "Resuming from" in caplog.text and "checkpoint-2" in caplog.text and "skipped the incomplete checkpoint-4" \
+        in caplog.text
+    # resumed at step 2: the checkpoint's history, then steps 3 and 4
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [1, 2, 3, 4]
+    assert (half / "checkpoint_complete.json").is_file()  # written again, completely
+
+
 def test_vae_pretraining_trains_only_the_vae_then_joint_training_runs(target, windows, tmp_path):
     drafter = new_drafter(target)
     args = make_args(tmp_path, vae_pretrain_steps=2, logging_steps=1, max_steps=1, learning_rate=2e-3)

@@ -14,6 +14,7 @@ import argparse
 import os
 
 from hf_chainflow.cli_args import check_output_dir, positive_int, usage_error
+from hf_chainflow.fileio import check_writable
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # generation dtypes
 
@@ -60,10 +61,17 @@ def add_prepare_parser(sub) -> None:
     p.set_defaults(func=run_prepare)
 
 
+def check_writable_output(flag: str, path: str | os.PathLike) -> None:
+    """An output folder (`--out`) must be a folder this process can write to (`fileio.check_writable`), checked before
+    any model loads."""
+    check_output_dir(flag, path)
+    check_writable(flag, path)
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_chainflow.data import prepare
+    from hf_chainflow.data import MANIFEST, prepare, read_manifest
     from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:
@@ -93,7 +101,9 @@ def run_prepare(args: argparse.Namespace) -> int:
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "
                              f"{'is a directory' if os.path.isdir(path) else 'does not exist'}.")
-    check_output_dir("--out", args.out)
+    check_writable_output("--out", args.out)  # before the target loads
+    if os.path.isfile(os.path.join(args.out, MANIFEST)):  # a run to resume: a damaged manifest is named now
+        read_manifest(args.out, require=("finished", "num_shards"))
     try:
         layers = [int(i) for i in args.target_layers.split(",")] if args.target_layers else None
     except ValueError:
@@ -129,4 +139,4 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_prepare_parser", "run_prepare"]
+__all__ = ["add_prepare_parser", "check_writable_output", "run_prepare"]

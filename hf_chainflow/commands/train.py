@@ -26,6 +26,7 @@ import functools
 from pathlib import Path
 
 from hf_chainflow.cli_args import check_model_source, check_output_dir, parse_shards, usage_error
+from hf_chainflow.commands.prepare import check_writable_output
 
 # Built-in defaults of `train`; the parser's defaults are None so that a YAML value can fill any option not given.
 TRAIN_DEFAULTS = {
@@ -160,9 +161,10 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
     check_output_dir("--out", opts["out"])
     if opts["init_from"]:
         check_model_source("--init-from", opts["init_from"])
-    if opts["resume"] not in (None, "last") and not Path(opts["resume"], "trainer_state.json").is_file():
-        raise usage_error("train", f"--resume must be `last` or a checkpoint directory holding trainer_state.json, got "
-                          f"{opts['resume']!r}; the checkpoints are the checkpoint-* directories under --out.")
+    if opts["resume"] not in (None, "last"):  # a folder; `last` is looked up with the data, before the target loads
+        from hf_chainflow.checkpointing import check_resume_folder
+
+        check_resume_folder(opts["resume"], flags=("--resume", "--out"))
     return opts
 
 
@@ -249,6 +251,7 @@ def replay_sources(replay, replay_shards) -> tuple[list[str], list[list[int] | N
 
 def run_train(args: argparse.Namespace) -> int:
     o = resolve_train_options(args)
+    check_writable_output("--out", o["out"])  # before any model loads
     out = Path(o["out"])
     created = not out.exists()
     if o["drafter_type"] == "dflash":
