@@ -282,6 +282,16 @@ def test_dflash_training_refuses_a_damaged_manifest_too(data_copy, tmp_path, no_
         main(["train", "--drafter-type", "dflash", "--data", str(data_copy), "--out", str(tmp_path / "out")])
 
 
+def test_eval_offline_refuses_a_damaged_manifest_before_any_model_loads(data_copy, tmp_path, no_model_loads):
+    drafter = tmp_path / "drafter"  # a folder that passes the drafter check (config and weights present)
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"")
+    (data_copy / "manifest.json").write_text('{"finished": [0')
+    with pytest.raises(SystemExit, match=rf"{data_copy}/manifest.json:1:\d+: the data manifest is not valid JSON"):
+        main(["eval-offline", "--drafter", str(drafter), "--data", str(data_copy), "--out", str(tmp_path / "out")])
+
+
 @pytest.mark.parametrize("fault", ["shortlist garbage", "shortlist of strings", "shard cut short", "shard missing"])
 def test_a_damaged_shortlist_or_shard_is_refused_before_the_target_loads(fault, data_copy, tmp_path,
                                                                           no_model_loads):

@@ -59,7 +59,10 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     check_output_dir("--out", args.out)
     import torch
 
+    from hf_chainflow.data import check_prepared_data
     from hf_chainflow.workflows import evaluate_drafter
+
+    check_prepared_data(args.data, shards=args.shards)  # its manifest, shortlist and shards, before any model loads
 
     if args.threads:
         torch.set_num_threads(args.threads)
