@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from _fixtures import PROMPTS
+from _fixtures import PROMPTS, save_with_tokenizer
 
 torch.set_num_threads(int(os.environ.get("HF_CHAINFLOW_TEST_THREADS", "1")))
 
@@ -22,10 +22,7 @@ def tiny_prepared(tmp_path_factory):
 
     tokenizer = load_tokenizer()
     target = tiny_target("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    target.generation_config.pad_token_id = tokenizer.pad_token_id
-    target.save_pretrained(tmp / "target")
-    tokenizer.save_pretrained(tmp / "target")
+    save_with_tokenizer(target, tokenizer, tmp / "target")
     (tmp / "prompts.jsonl").write_text("\n".join(PROMPTS.read_text().splitlines()[:16]) + "\n")
     assert main(["prepare", "--target", str(tmp / "target"), "--prompts", str(tmp / "prompts.jsonl"), "--out",
                  str(tmp / "data"), "--max-new-tokens", "32", "--dtype", "float32", "--threads", "1"]) == 0

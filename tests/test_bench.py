@@ -26,6 +26,7 @@ from hf_chainflow.bench.defaults import PADDED_FLOAT32_TIE_TOLERANCE
 from hf_chainflow.commands.bench import _parse_extra_drafters, _parse_tree
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
+from _fixtures import save_with_tokenizer
 from _windows import one_thread
 
 DRAFTER = {"num_blocks": 1, "num_heads": 2, "ffn_multiplier": 2, "vae_num_layers": 1, "vae_num_heads": 2,
@@ -492,10 +493,7 @@ def saved(tmp_path_factory):
         pytest.skip(str(err))
     tmp = tmp_path_factory.mktemp("bench")
     target = tiny_target("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    target.generation_config.pad_token_id = tokenizer.pad_token_id
-    target.save_pretrained(tmp / "target")
-    tokenizer.save_pretrained(tmp / "target")
+    save_with_tokenizer(target, tokenizer, tmp / "target")
     torch.manual_seed(0)
     drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER))
     g = drafter.generation_config

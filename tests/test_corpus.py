@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import datasets
 import pytest
@@ -16,6 +15,8 @@ from hf_chainflow.corpus import (COLUMNS, GenerationSettings, ResponseCorpus, ge
 from hf_chainflow.data import ChainFlowWindowDataset, iter_sequences, prepare
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
+
+from _fixtures import save_with_tokenizer
 
 NEW = 6  # max new tokens: keeps generation fast
 SETTINGS = GenerationSettings(dtype="float32", machine="test machine", software="test", max_new_tokens=NEW)
@@ -39,12 +40,7 @@ def model(tok):
 
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory, model, tok):
-    path = tmp_path_factory.mktemp("target")
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_with_tokenizer(model, tok, tmp_path_factory.mktemp("target"))
 
 
 def _rows(corpus: ResponseCorpus, split=None) -> list[dict]:

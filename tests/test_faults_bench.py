@@ -20,6 +20,7 @@ from hf_chainflow.commands import main
 from hf_chainflow.fileio import LOCK_NAME
 from hf_chainflow.testing import tiny_target
 
+from _fixtures import save_with_tokenizer
 from _windows import TINY_DRAFTER, one_thread
 
 PROMPTS = [{"id": f"q{i}", "domain": "code" if i < 2 else "math", "prompt": text} for i, text in
@@ -56,10 +57,7 @@ def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults-bench")
     tokenizer = _tiny_tokenizer()
     target = tiny_target("llama", vocab_size=len(tokenizer), hidden_size=64, num_layers=2)
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    target.generation_config.pad_token_id = tokenizer.pad_token_id
-    target.save_pretrained(tmp / "target")
-    tokenizer.save_pretrained(tmp / "target")
+    save_with_tokenizer(target, tokenizer, tmp / "target")
     torch.manual_seed(0)
     drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **TINY_DRAFTER))
     g = drafter.generation_config

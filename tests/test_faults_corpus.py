@@ -22,6 +22,8 @@ from hf_chainflow.fileio import FolderBusyError
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 
+from _fixtures import save_with_tokenizer
+
 NEW = 4  # max new tokens: keeps generation fast
 SEED = 20261207  # where the drills inject their fault
 SETTINGS = GenerationSettings(dtype="float32", machine="test machine", software="test", max_new_tokens=NEW)
@@ -45,12 +47,7 @@ def model(tok):
 
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory, model, tok):
-    path = tmp_path_factory.mktemp("target")
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_with_tokenizer(model, tok, tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture
