@@ -568,14 +568,7 @@ def read_prompt_source(source, *, prompt_column: str = "prompt", split: str = "t
     for n, row in enumerate(raw):
         if isinstance(row, dict) and not row.get("id"):
             raise ValueError(f"Prompt row {n} has no `id`; a corpus is keyed by prompt id, so give every row one.")
-    rows = load_prompts(raw, prompt_column=prompt_column)
-    seen: dict[str, int] = {}
-    for n, row in enumerate(rows):
-        if row["id"] in seen:
-            raise ValueError(f"Prompt row {n}: id {row['id']!r} occurs twice (first at row {seen[row['id']]}); prompt "
-                             f"ids must be unique.")
-        seen[row["id"]] = n
-    return rows
+    return load_prompts(raw, prompt_column=prompt_column)  # unique ids checked there
 
 
 _HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

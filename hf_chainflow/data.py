@@ -119,13 +119,13 @@ def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: s
 
     Each row needs the prompt text in `prompt_column` (or a chat `turns` list of user strings, of which the first
     is used, as in the shared responses file); `id`, `domain`, `language`, `source` are optional
-    (defaults: `row-<n>`, `"unknown"`, `"unknown"`, `""`).
+    (defaults: `row-<n>`, `"unknown"`, `"unknown"`, `""`). Ids must be unique (else a `ValueError` naming both rows).
     """
     if isinstance(source, dict):
         raise ValueError("`prompts` is one dict; pass a list of prompt rows, e.g. `[{'id': 'a', 'prompt': '...'}]`.")
     _check_positive("limit", limit, optional=True)
     rows = _read_jsonl(source) if isinstance(source, (str, os.PathLike)) else source
-    out = []
+    out, seen = [], {}
     for n, row in enumerate(rows):
         if limit is not None and n >= limit:
             break
@@ -142,6 +142,12 @@ def load_prompts(source: str | os.PathLike | Iterable[dict], *, prompt_column: s
         out.append({"id": str(row.get("id", f"row-{n}")), "domain": row.get("domain") or "unknown",
                     "language": row.get("language") or "unknown", "source": row.get("source") or "",
                     "prompt": text})
+        if out[-1]["id"] in seen:  # responses, shards and resumes go by id: a second row would be read as the first
+            where = f"{source}: " if isinstance(source, (str, os.PathLike)) else ""
+            raise ValueError(f"{where}prompt row {n}: id {out[-1]['id']!r} occurs twice (first at row "
+                             f"{seen[out[-1]['id']]}); prompt ids must be unique: give the row another id, or delete "
+                             f"it if it is a copy.")
+        seen[out[-1]["id"]] = n
     return out
 
 

@@ -282,6 +282,15 @@ def test_dflash_training_refuses_a_damaged_manifest_too(data_copy, tmp_path, no_
         main(["train", "--drafter-type", "dflash", "--data", str(data_copy), "--out", str(tmp_path / "out")])
 
 
+def test_prepare_refuses_duplicate_prompt_ids_before_the_target_loads(tmp_path, no_model_loads):
+    """Responses, shards and resumes go by prompt id: a second row of one id would be read back as the first."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Hi"}\n{"id": "b", "prompt": "Sort"}\n{"id": "a", "prompt": "Hi again"}\n')
+    with pytest.raises(SystemExit, match=rf"{prompts}: prompt row 2: id 'a' occurs twice \(first at row 0\); prompt "
+                                         r"ids must be unique"):
+        main(["prepare", "--prompts", str(prompts), "--out", str(tmp_path / "out")])
+
+
 def test_eval_offline_refuses_a_damaged_manifest_before_any_model_loads(data_copy, tmp_path, no_model_loads):
     drafter = tmp_path / "drafter"  # a folder that passes the drafter check (config and weights present)
     drafter.mkdir()

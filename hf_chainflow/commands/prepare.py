@@ -71,7 +71,7 @@ def check_writable_output(flag: str, path: str | os.PathLike) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_chainflow.data import MANIFEST, prepare, read_manifest
+    from hf_chainflow.data import MANIFEST, load_prompts, load_responses, prepare, read_manifest
     from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:
@@ -102,6 +102,10 @@ def run_prepare(args: argparse.Namespace) -> int:
             raise ValueError(f"`{flag}` must be a JSONL file, got {path!r}, which "
                              f"{'is a directory' if os.path.isdir(path) else 'does not exist'}.")
     check_writable_output("--out", args.out)  # before the target loads
+    if args.prompts:  # the rows parse, have their text and unique ids
+        load_prompts(args.prompts, prompt_column=args.prompt_column)
+    if args.responses:
+        load_responses(args.responses)
     if os.path.isfile(os.path.join(args.out, MANIFEST)):  # a run to resume: a damaged manifest is named now
         read_manifest(args.out, require=("finished", "num_shards"))
     try:
