@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int
+from hf_chainflow.fileio import check_writable
 
 
 def add_corpus_lookup_parser(sub) -> None:
@@ -34,7 +35,11 @@ def run_corpus_lookup(args: argparse.Namespace) -> int:
     if not Path(args.corpus).is_dir():
         raise ValueError(f"`--corpus` must be a corpus folder, got {args.corpus!r}, which does not exist.")
     check_output_dir("--out", args.out)
+    check_writable("--out", args.out)
+    from hf_chainflow.corpus import ResponseCorpus
     from hf_chainflow.workflows import add_corpus_lookup
+
+    ResponseCorpus(args.corpus)  # a corpus (its corpus.json reads), before the drafter loads
 
     table = add_corpus_lookup(args.drafter, args.corpus, args.out, num_tokens=args.num_tokens, split=args.split,
                               min_count=args.min_count, max_ngram=args.max_ngram, prompt_tail=args.prompt_tail)
