@@ -477,3 +477,29 @@ def test_a_read_only_output_folder_is_refused(tmp_path, tiny_prepared, no_model_
             main(_chainflow_train(tiny_prepared / "data", locked, "--max-steps", "1"))
     finally:
         locked.chmod(0o700)
+
+
+def test_every_trainer_of_the_package_writes_complete_checkpoints():
+    """A trainer added later must inherit the rule too: every `Trainer` subclass defined in hf_chainflow's modules
+    has `CompleteCheckpointsMixin` before `Trainer` in its MRO."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from transformers import Trainer
+
+    import hf_chainflow
+    from hf_chainflow.checkpointing import CompleteCheckpointsMixin
+
+    found = {}
+    for info in pkgutil.walk_packages(hf_chainflow.__path__, "hf_chainflow."):
+        if info.name.startswith(("hf_chainflow.vllm", "hf_chainflow.commands.__main__")):
+            continue  # vLLM's own environment; the command's entry point runs the CLI
+        module = importlib.import_module(info.name)
+        for name, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, Trainer) and obj is not Trainer and obj.__module__ == info.name:
+                found[f"{info.name}.{name}"] = obj
+    assert {"hf_chainflow.trainer.ChainFlowTrainer", "hf_chainflow.dflash_trainer.DFlashTrainer"} <= set(found)
+    for name, cls in found.items():
+        mro = cls.__mro__
+        assert CompleteCheckpointsMixin in mro and mro.index(CompleteCheckpointsMixin) < mro.index(Trainer), name
