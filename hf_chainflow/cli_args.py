@@ -8,13 +8,10 @@ instead of a traceback.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
-from hf_chainflow.fileio import check_local_or_hub, check_model_folder
+from hf_chainflow.fileio import HUB_ID, check_local_or_hub, check_model_folder, check_writable
 
-# A Hub repo id: `namespace/name` (one slash, no leading `/`, `.` or `~`).
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def usage_error(command: str, message: str) -> SystemExit:
@@ -40,6 +37,13 @@ def check_output_dir(flag: str, path: str | Path | None) -> None:
                          f"another path.")
 
 
+def check_writable_output(flag: str, path: str | Path) -> None:
+    """An output folder (`--out`) must be a folder this process can write to (`check_output_dir`, then
+    `fileio.check_writable`), checked before any model loads."""
+    check_output_dir(flag, path)
+    check_writable(flag, path)
+
+
 def check_model_source(flag: str, value: str, known: tuple[str, ...] = ()) -> None:
     """A model argument must be a known name, a saved model's folder (`check_model_folder`), or a Hub repo id
     (`namespace/name`) that is in the local Hub cache or reachable (`fileio.check_local_or_hub`).
@@ -55,7 +59,7 @@ def check_model_source(flag: str, value: str, known: tuple[str, ...] = ()) -> No
     if Path(value).exists():
         raise ValueError(f"`{flag}` must be a model directory, got {value!r}, which is a file; give the directory "
                          f"that holds its config.json.")
-    if not _REPO_ID.match(value):
+    if not HUB_ID.match(value):
         names = f"a known name ({', '.join(known)}), " if known else ""
         raise ValueError(f"`{flag}` must be {names}an existing local directory or a Hub repo id `namespace/name`, "
                          f"got {value!r}, which is none of these; check the path.")
@@ -78,4 +82,5 @@ def parse_shards(text: str) -> list[int]:
     return shards
 
 
-__all__ = ["check_model_source", "check_output_dir", "parse_shards", "positive_int", "usage_error"]
+__all__ = ["check_model_source", "check_output_dir", "check_writable_output", "parse_shards", "positive_int",
+           "usage_error"]

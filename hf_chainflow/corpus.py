@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from hf_chainflow.fileio import (LOCK_GLOB, FolderBusyError, FolderLock, _hub_reachable, _job_id, atomic_write_bytes,
+from hf_chainflow.fileio import (HUB_ID, LOCK_GLOB, FolderBusyError, FolderLock, _hub_reachable, _job_id, atomic_write_bytes,
                                  read_json, remove_stale_temps)
 from hf_chainflow.fileio import check_writable as _check_writable
 
@@ -571,9 +571,6 @@ def read_prompt_source(source, *, prompt_column: str = "prompt", split: str = "t
     return load_prompts(raw, prompt_column=prompt_column)  # unique ids checked there
 
 
-_HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
 def _read_dataset(source: str, split: str):
     """The `split` of a dataset folder (`save_to_disk`, or one `load_dataset` reads) or of a Hub dataset id."""
     import datasets
@@ -589,7 +586,7 @@ def _read_dataset(source: str, split: str):
         return data
     if path.is_dir():
         return datasets.load_dataset(source, split=split)
-    if not _HUB_DATASET_ID.match(source) or path.exists():
+    if not HUB_ID.match(source) or path.exists():
         raise ValueError(f"`prompts` must be a JSONL file, a dataset folder or a Hub dataset id, got {source!r}, which "
                          f"does not exist.")
     if not _dataset_in_cache(source) and not _hub_reachable():

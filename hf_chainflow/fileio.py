@@ -353,7 +353,8 @@ def last_complete_checkpoint(out: str | os.PathLike) -> tuple[Path | None, list[
 # A folder or a Hub id
 # ----------------------------------------------------------------------------------------------------------------
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A Hub repo id: `namespace/name` (one slash, no leading `/`, `.` or `~`).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -400,7 +401,7 @@ def check_local_or_hub(flag: str, value: str | os.PathLike) -> None:
     if path.exists():
         raise ValueError(f"`{flag}` must be a folder or a Hub repo id, got {text!r}, which is a file; give the folder "
                          f"that holds its config.json.")
-    if not _REPO_ID.match(text):
+    if not HUB_ID.match(text):
         raise ValueError(f"`{flag}` {text!r} is not an existing folder (nor a Hub repo id `namespace/name`); check "
                          f"the path.")
     if _in_hub_cache(text) or _hub_reachable():
@@ -455,7 +456,7 @@ def _checkpoint_hint(folder: Path) -> str:
                                       f"the training finish)")
 
 
-__all__ = ["CHECKPOINT_MARKER", "LOCK_GLOB", "LOCK_NAME", "WEIGHT_FILES", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
+__all__ = ["CHECKPOINT_MARKER", "HUB_ID", "LOCK_GLOB", "LOCK_NAME", "WEIGHT_FILES", "FolderBusyError", "FolderLock", "atomic_path", "atomic_write_bytes",
            "atomic_write_text", "check_local_or_hub", "check_writable", "check_model_folder", "check_model_json", "fsync_dir",
            "is_complete_checkpoint",
            "last_complete_checkpoint", "mark_checkpoint_complete", "read_json", "remove_stale_temps", "temp_path"]

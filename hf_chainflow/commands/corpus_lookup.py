@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hf_chainflow.cli_args import check_model_source, check_output_dir, positive_int
-from hf_chainflow.fileio import check_writable
+from hf_chainflow.cli_args import check_model_source, check_writable_output, positive_int
 
 
 def add_corpus_lookup_parser(sub) -> None:
@@ -34,8 +33,7 @@ def run_corpus_lookup(args: argparse.Namespace) -> int:
     check_model_source("--drafter", args.drafter)
     if not Path(args.corpus).is_dir():
         raise ValueError(f"`--corpus` must be a corpus folder, got {args.corpus!r}, which does not exist.")
-    check_output_dir("--out", args.out)
-    check_writable("--out", args.out)
+    check_writable_output("--out", args.out)
     from hf_chainflow.corpus import ResponseCorpus
     from hf_chainflow.workflows import add_corpus_lookup
 

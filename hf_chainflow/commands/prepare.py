@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hf_chainflow.cli_args import check_output_dir, positive_int, usage_error
-from hf_chainflow.fileio import check_writable
+from hf_chainflow.cli_args import check_writable_output, positive_int, usage_error
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # generation dtypes
 
@@ -59,13 +58,6 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--device", help="device of the target's passes, e.g. `cuda` (default: `cuda` when available, "
                                     "else `cpu`)")
     p.set_defaults(func=run_prepare)
-
-
-def check_writable_output(flag: str, path: str | os.PathLike) -> None:
-    """An output folder (`--out`) must be a folder this process can write to (`fileio.check_writable`), checked before
-    any model loads."""
-    check_output_dir(flag, path)
-    check_writable(flag, path)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
@@ -143,4 +135,4 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_prepare_parser", "check_writable_output", "run_prepare"]
+__all__ = ["add_prepare_parser", "run_prepare"]

@@ -25,8 +25,8 @@ import argparse
 import functools
 from pathlib import Path
 
-from hf_chainflow.cli_args import check_model_source, check_output_dir, parse_shards, usage_error
-from hf_chainflow.commands.prepare import check_writable_output
+from hf_chainflow.cli_args import (check_model_source, check_output_dir, check_writable_output, parse_shards,
+                                   usage_error)
 
 # Built-in defaults of `train`; the parser's defaults are None so that a YAML value can fill any option not given.
 TRAIN_DEFAULTS = {
