@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import default_data_collator
 
+from .fileio import atomic_path, atomic_write_text
 from .data import check_windows_fit
 from .search import DraftBatch, candidate_search
 from .settings import SearchSettings, check_num_flow_steps
@@ -495,7 +496,7 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / "offline_eval.json", out / "acceptance.png"
-    json_path.write_text(strict_json(result, indent=1))
+    atomic_write_text(json_path, strict_json(result, indent=1))  # a kill leaves the old file or the new
     k = len(result["acceptance"])
     fig, ax = plt.subplots(figsize=(6, 4))
     positions = np.arange(1, k + 1)
@@ -510,7 +511,8 @@ def write_report(result: dict, output_dir: str | os.PathLike) -> tuple[Path, Pat
     ax.set_title(f"Offline acceptance, chain k={k}, {result['num_windows']} windows")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    with atomic_path(png_path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return json_path, png_path
 
