@@ -8,8 +8,8 @@ the target (prompt + response, the target's own greedy continuation), and every 
 (`generation_config`: shape, budget, flow steps; `--mode chain`: its chain of `num_assistant_tokens`) is drafted three
 ways: eagerly with the velocity network's own expert-by-expert forward and the head products unpacked (`F.linear`;
 the reference), eagerly as served (the experts stacked, `ChainFlowDrafter.serving_velocity`; the head products
-packed, `hf_chainflow.packed_linear.PackedLinear`) and compiled. The verdicts of
-`hf_chainflow.drafting_round.compare_drafts` against the reference are counted (same / near-tie within 1e-3 /
+packed, `hf_chainflow.generation.packed_linear.PackedLinear`) and compiled. The verdicts of
+`hf_chainflow.generation.drafting_round.compare_drafts` against the reference are counted (same / near-tie within 1e-3 /
 different), with the largest log-probability gap among identical drafts and the per-round times, interleaved.
 """
 
@@ -21,10 +21,10 @@ import torch
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.corpus import ResponseCorpus
-from hf_chainflow.drafting_round import compare_drafts, drafting_round
-from hf_chainflow.search import DraftBatch, committed_tails
-from hf_chainflow.settings import SearchSettings, SpeculativeSettings
+from hf_chainflow.training.corpus import ResponseCorpus
+from hf_chainflow.generation.drafting_round import compare_drafts, drafting_round
+from hf_chainflow.generation.search import DraftBatch, committed_tails
+from hf_chainflow.generation.settings import SearchSettings, SpeculativeSettings
 from hf_chainflow.targets import load_target
 
 

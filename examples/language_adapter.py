@@ -9,7 +9,7 @@
 3. Held-out tau of the base drafter and of the adapter, on the new language's responses.
 4. The adapter merged into a copy of the drafter (`OUT/drafter-LANGUAGE`), a plain drafter for
    `generate(assistant_model=...)`. To keep several languages on one base instead, load each adapter with
-   `hf_chainflow.adapters.load_language_adapter` and switch with `model.set_adapter(name)`.
+   `hf_chainflow.training.adapters.load_language_adapter` and switch with `model.set_adapter(name)`.
 
 The drafter keeps its draft vocabulary (the tokens of its first training data): new-language tokens outside it are
 never drafted, so build the first drafter from data of every language you will adapt to.
@@ -24,18 +24,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.adapters import add_language_adapter, lora_config
-from hf_chainflow.data import ChainFlowWindowDataset, prepare
-from hf_chainflow.evaluation import evaluate_offline
+from hf_chainflow.training.adapters import add_language_adapter, lora_config
+from hf_chainflow.training.data import ChainFlowWindowDataset, prepare
+from hf_chainflow.training.evaluation import evaluate_offline
 from hf_chainflow.targets import KNOWN_TARGETS, load_target
-from hf_chainflow.trainer import ChainFlowTrainer, adaptation_arguments
+from hf_chainflow.training.trainer import ChainFlowTrainer, adaptation_arguments
 
 
 def main(target: str, drafter: str, language: str, prompts, heldout_prompts, out: str, *, rank: int = 8,
          max_new_tokens: int = 256, generation_dtype: str = "bfloat16", max_steps: int = 1000, batch_size: int = 64,
          learning_rate: float = 1.2e-4, seed: int = 0) -> dict:
     """Train the adapter `language`; returns `{"base": report, "adapter": report, "adapter_dir", "merged_dir"}`,
-    the reports those of `hf_chainflow.evaluation.evaluate_offline` on the held-out responses."""
+    the reports those of `hf_chainflow.training.evaluation.evaluate_offline` on the held-out responses."""
     out = Path(out)
     model, tokenizer = (load_target(target) if target in KNOWN_TARGETS else  # a known name, or a model folder
                         (AutoModelForCausalLM.from_pretrained(target).eval(), AutoTokenizer.from_pretrained(target)))

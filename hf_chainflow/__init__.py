@@ -4,10 +4,10 @@ The public classes and functions import from the package top (`from hf_chainflow
 ChainFlowTrainer`). Each is imported on first use (PEP 562), so `import hf_chainflow` alone, and the `hf-chainflow`
 command until it runs a subcommand, import neither torch nor transformers.
 
-The `generate` hook (`hf_chainflow.integration.install`: `model.generate(..., assistant_model=drafter)` routed for
+The `generate` hook (`hf_chainflow.generation.hook.install`: `model.generate(..., assistant_model=drafter)` routed for
 ChainFlow drafters only) is installed, and the `chainflow` model type registered with `AutoConfig`/`AutoModel`, the
 first time a public name is read from the package top, or a module that defines drafters or their config
-(`hf_chainflow.modeling_chainflow`, `hf_chainflow.configuration_chainflow`, `hf_chainflow.testing`) or the hook's
+(`hf_chainflow.models.chainflow.modeling_chainflow`, `hf_chainflow.models.chainflow.configuration_chainflow`, `hf_chainflow.testing`) or the hook's
 own module is imported, whichever comes first. So a drafter given to `generate` always finds the hook installed,
 however it was made.
 """
@@ -15,63 +15,73 @@ however it was made.
 import sys
 import types
 
-from ._lazy import lazy_exports
+from hf_chainflow._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "ChainFlowConfig": "configuration_chainflow",
-    "ChainFlowDrafter": "modeling_chainflow",
-    "ChainFlowDrafterOutput": "modeling_chainflow",
-    "ChainFlowPreTrainedModel": "modeling_chainflow",
-    "ChainFlowCandidateGenerator": "candidate_generator",
-    "DraftTree": "tree",
-    "ContinuationTable": "corpus_lookup",
-    "SpeculativeStats": "stats",
-    "speculative_generate": "decoding",
-    "ChainFlowTrainer": "trainer",
-    "ChainFlowTrainingArguments": "trainer",
-    "ReplayMixDataset": "trainer",
-    "ChainFlowWindowDataset": "data",
-    "prepare": "data",
-    "evaluate_offline": "evaluation",
-    "add_language_adapter": "adapters",
-    "load_language_adapter": "adapters",
-    "lora_config": "adapters",
+    "ChainFlowConfig": "models.chainflow.configuration_chainflow",
+    "ChainFlowDrafter": "models.chainflow.modeling_chainflow",
+    "ChainFlowDrafterOutput": "models.chainflow.modeling_chainflow",
+    "ChainFlowPreTrainedModel": "models.chainflow.modeling_chainflow",
+    "ChainFlowCandidateGenerator": "generation.candidate_generator",
+    "DraftTree": "generation.tree",
+    "ContinuationTable": "generation.corpus_lookup",
+    "SpeculativeStats": "generation.stats",
+    "speculative_generate": "generation.loop",
+    "ChainFlowTrainer": "training.trainer",
+    "ChainFlowTrainingArguments": "training.trainer",
+    "ReplayMixDataset": "training.trainer",
+    "ChainFlowWindowDataset": "training.data",
+    "prepare": "training.data",
+    "evaluate_offline": "training.evaluation",
+    "add_language_adapter": "training.adapters",
+    "load_language_adapter": "training.adapters",
+    "lora_config": "training.adapters",
     "load_target": "targets",
     "load_model_and_tokenizer": "targets",
-    "DFlashTrainer": "dflash_trainer",
-    "DFlashTrainingArguments": "dflash_trainer",
-    "DFlashWindowDataset": "dflash_data",
-    "build_dflash_drafter": "dflash",
-    "load_dflash_drafter": "dflash",
+    "DFlashTrainer": "training.dflash_trainer",
+    "DFlashTrainingArguments": "training.dflash_trainer",
+    "DFlashWindowDataset": "training.dflash_data",
+    "build_dflash_drafter": "training.dflash",
+    "load_dflash_drafter": "training.dflash",
 }
 __all__ = sorted(_EXPORTS)
 
-# Submodules whose import installs the hook: those that define drafters or their config, and the hook's own module.
-_HOOK_MODULES = ("modeling_chainflow", "configuration_chainflow", "testing", "integration")
+# Modules whose import installs the hook: those that define drafters or their config, and the hook's own module.
+_HOOK_MODULES = ("hf_chainflow.models.chainflow.modeling_chainflow",
+                 "hf_chainflow.models.chainflow.configuration_chainflow", "hf_chainflow.testing",
+                 "hf_chainflow.generation.hook")
+# The packages on the way to them (each watched like this one).
+_WATCHED_PACKAGES = ("hf_chainflow.models", "hf_chainflow.models.chainflow", "hf_chainflow.generation")
 
 
 def _install_hook() -> None:
     """Install the `generate` hook (idempotent) and register the `chainflow` model type (`modeling_chainflow`
     registers it with `AutoConfig`/`AutoModel` when imported)."""
-    package = sys.modules[__name__]
-    for name in ("modeling_chainflow", "integration"):
-        if f"{__name__}.{name}" in sys.modules and name not in vars(package):
-            return  # still being imported: the import system binds it on the package when done, which calls again
-    from . import integration, modeling_chainflow  # noqa: F401  (modeling_chainflow: the registration)
+    for name in ("hf_chainflow.models.chainflow.modeling_chainflow", "hf_chainflow.generation.hook"):
+        parent, _, leaf = name.rpartition(".")
+        if name in sys.modules and not hasattr(sys.modules.get(parent), leaf):
+            return  # still being imported: the import system binds it on its package when done, which calls again
+    from hf_chainflow.generation import hook
+    from hf_chainflow.models.chainflow import modeling_chainflow  # noqa: F401  (the registration)
 
-    integration.install()
+    hook.install()
 
 
 class _Package(types.ModuleType):
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         # The import system binds each submodule on its package once the submodule has run (Python's import docs,
-        # "Submodules"): this sees every import of a hook module, by whichever path.
-        if name in _HOOK_MODULES and isinstance(value, types.ModuleType):
-            _install_hook()
+        # "Submodules"): this sees every import of a hook module, by whichever path. The packages on the way to
+        # one are watched the same way (each is bound on its parent before its own submodules are imported).
+        if isinstance(value, types.ModuleType):
+            full = f"{self.__name__}.{name}"
+            if full in _WATCHED_PACKAGES and type(value) is types.ModuleType:
+                value.__class__ = _Package
+            if full in _HOOK_MODULES:
+                _install_hook()
 
 
 sys.modules[__name__].__class__ = _Package

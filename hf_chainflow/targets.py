@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .cli_args import check_model_source
+from hf_chainflow.cli_args import check_model_source
 
 
 @dataclass(frozen=True)

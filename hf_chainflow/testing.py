@@ -121,7 +121,7 @@ class OracleDrafter:
 
     def draft(self, hidden_states, input_ids, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
               tree_budget=None, num_flow_steps=None, do_sample=False, temperature=1.0):
-        from .tree import DraftTree
+        from hf_chainflow.generation.tree import DraftTree
 
         device = input_ids.device
         depth = num_tokens if mode == "chain" else tree_depth

@@ -4,7 +4,7 @@ causal forward."""
 import torch
 from transformers import DynamicCache
 
-from hf_chainflow.tree import DraftTree
+from hf_chainflow.generation.tree import DraftTree
 
 PREFIX_LEN = 9
 # 12 nodes, depth 5; several branchings (root has 2 children, node 0 has 2, node 2 has 2, node 5 has 2)

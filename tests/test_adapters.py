@@ -5,10 +5,10 @@ import torch
 from peft import PeftModel
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.adapters import add_language_adapter, load_language_adapter, lora_config
-from hf_chainflow.evaluation import draft_chains
+from hf_chainflow.training.adapters import add_language_adapter, load_language_adapter, lora_config
+from hf_chainflow.training.evaluation import draft_chains
 from hf_chainflow.testing import tiny_target
-from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, unwrap_drafter
+from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, unwrap_drafter
 
 from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
 

@@ -605,7 +605,7 @@ def test_demo_command(saved, capsys, monkeypatch):
 def test_describe_settings_names_every_drafting_knob():
     from types import SimpleNamespace
 
-    from hf_chainflow.demo import describe_settings
+    from hf_chainflow.commands.demo_run import describe_settings
 
     g = SimpleNamespace(draft_mode="tree", tree_width=8, tree_depth=4, tree_budget=12, lookup_num_tokens=10,
                         lookup_trust_ngram=2, lookup_max_tokens=32)

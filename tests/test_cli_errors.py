@@ -81,7 +81,7 @@ def test_train_checks_yaml_values_and_files_like_flags(tmp_path):
 
 
 def test_a_failed_train_run_leaves_no_empty_output_directory(tmp_path, monkeypatch):
-    import hf_chainflow.workflows as workflows
+    import hf_chainflow.training.workflows as workflows
 
     def fails(o):
         import os
@@ -167,7 +167,7 @@ def test_bench_names_the_clash_of_arms_and_no_default_drafter(tmp_path):
 
 def test_jsonl_errors_name_the_file_and_line(tmp_path):
     from hf_chainflow.bench.prompts import load_prompts as bench_prompts
-    from hf_chainflow.data import load_prompts
+    from hf_chainflow.training.data import load_prompts
 
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"id": "a", "domain": "qa", "prompt": "hi"}\n\nnot json\n')
@@ -180,7 +180,7 @@ def test_jsonl_errors_name_the_file_and_line(tmp_path):
 
 
 def test_prepare_refuses_empty_inputs_before_writing(tmp_path):
-    from hf_chainflow.data import prepare
+    from hf_chainflow.training.data import prepare
 
     with pytest.raises(ValueError, match="no rows to prepare"):
         prepare(None, None, tmp_path / "out", prompts=[])

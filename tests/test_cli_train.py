@@ -9,7 +9,7 @@ import torch
 from hf_chainflow import ChainFlowConfig
 from hf_chainflow.commands import build_parser
 from hf_chainflow.commands.train import TRAIN_DEFAULTS, resolve_train_options
-from hf_chainflow.workflows import throughput_summary
+from hf_chainflow.training.workflows import throughput_summary
 
 
 def parse(*argv):
@@ -120,7 +120,7 @@ def test_state_statistics_come_from_the_training_shards(tmp_path):
 
     from safetensors.torch import save_file
 
-    from hf_chainflow.data import MANIFEST, shard_path, state_statistics
+    from hf_chainflow.training.data import MANIFEST, shard_path, state_statistics
 
     shard_path(tmp_path, 0).parent.mkdir(parents=True)
     for shard, value in ((0, 1.0), (1, 5.0), (2, 9.0)):

@@ -10,9 +10,9 @@ import datasets
 import pytest
 import torch
 
-from hf_chainflow.corpus import (COLUMNS, GenerationSettings, ResponseCorpus, generate_into_corpus,
+from hf_chainflow.training.corpus import (COLUMNS, GenerationSettings, ResponseCorpus, generate_into_corpus,
                                  read_prompt_source, select_prompts)
-from hf_chainflow.data import ChainFlowWindowDataset, iter_sequences, prepare
+from hf_chainflow.training.data import ChainFlowWindowDataset, iter_sequences, prepare
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 

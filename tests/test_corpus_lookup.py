@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowDrafter, ContinuationTable
-from hf_chainflow.corpus_lookup import pack_ngrams, token_bits
+from hf_chainflow.generation.corpus_lookup import pack_ngrams, token_bits
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
 
 from _speculative import random_drafter, set_shape
@@ -205,7 +205,7 @@ def test_the_command_adds_a_table_to_a_saved_drafter_in_its_dtype(tmp_path):
     drafter = ChainFlowDrafter.from_pretrained(out)
     assert drafter.generation_config.corpus_lookup_num_tokens == 5
     assert (drafter.config.continuation_min_ngram, drafter.config.continuation_max_ngram) == (2, 4)
-    from hf_chainflow.corpus import ResponseCorpus
+    from hf_chainflow.training.corpus import ResponseCorpus
 
     header = ResponseCorpus(corpus).table("heldout", ["prompt_ids"]).column("prompt_ids")[0].as_py()[-4:]
     assert drafter.continuation_table.propose(torch.tensor(header), 3) is not None  # the assistant header: counted

@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from hf_chainflow import data
-from hf_chainflow.data import ChainFlowWindowDataset, collate, iter_sequences, prepare, read_manifest, read_shortlist
+from hf_chainflow.training import data
+from hf_chainflow.training.data import ChainFlowWindowDataset, collate, iter_sequences, prepare, read_manifest, read_shortlist
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 
@@ -137,7 +137,7 @@ def test_window_subsample_shuffle_and_pickle(prepared):
 def test_windows_for_a_drafter_config_and_their_serving_walks(prepared):
     from types import SimpleNamespace
 
-    from hf_chainflow.evaluation import sequence_walks
+    from hf_chainflow.training.evaluation import sequence_walks
 
     config = SimpleNamespace(context_size=5, num_draft_positions=3, path_order=4)
     ds = ChainFlowWindowDataset.for_drafter(prepared, config, shuffle=True, seed=1)
@@ -153,7 +153,7 @@ def test_windows_for_a_drafter_config_and_their_serving_walks(prepared):
 
 def test_windows_that_do_not_fit_the_drafter_are_refused(prepared, model, tmp_path):
     from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
-    from hf_chainflow.evaluation import evaluate_offline, evaluate_walk
+    from hf_chainflow.training.evaluation import evaluate_offline, evaluate_walk
 
     config = ChainFlowConfig.for_target(model.config, num_blocks=1, num_heads=2, ffn_multiplier=2, vae_num_layers=1,
                                         vae_num_heads=2, path_hidden_size=16, markov_rank=8)
@@ -167,7 +167,7 @@ def test_windows_that_do_not_fit_the_drafter_are_refused(prepared, model, tmp_pa
             evaluate(drafter, other_p, progress=False)
     with pytest.raises(ValueError, match="do not fit this drafter"):  # inside a Subset too
         evaluate_offline(drafter, torch.utils.data.Subset(other_p, range(4)), progress=False)
-    from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
+    from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
 
     args = ChainFlowTrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
     for kwargs in (dict(train_dataset=other_p), dict(train_dataset=fits, eval_dataset={"held": other_p})):

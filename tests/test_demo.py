@@ -6,7 +6,7 @@ import torch
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.demo import DEMO_PROMPTS, run_demo
+from hf_chainflow.commands.demo_run import DEMO_PROMPTS, run_demo
 
 
 @pytest.mark.slow

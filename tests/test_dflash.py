@@ -1,4 +1,4 @@
-"""DFlash drafters (`hf_chainflow.dflash*`): the loss, the training windows, the training forward against stock
+"""DFlash drafters (`hf_chainflow.training.dflash*`): the loss, the training windows, the training forward against stock
 transformers' own DFlash generation path, a drafter trained through the Trainer, saved, and run by stock transformers
 in a process that imports nothing of hf_chainflow, the bench's `dflash` arm, and the errors (tiny float32 targets)."""
 
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from transformers import MuseGlimmerAssistantModel
 
 from hf_chainflow.bench import BenchPrompt, build_arms, run_bench
-from hf_chainflow.data import ChainFlowWindowDataset, prepare, read_shortlist
-from hf_chainflow.dflash import (
+from hf_chainflow.training.data import ChainFlowWindowDataset, prepare, read_shortlist
+from hf_chainflow.training.dflash import (
     build_dflash_drafter,
     check_dflash_drafter,
     dflash_attention_mask,
@@ -25,9 +25,9 @@ from hf_chainflow.dflash import (
     parameter_count,
     spread_target_layers,
 )
-from hf_chainflow.dflash_data import DFlashWindowDataset
-from hf_chainflow.dflash_trainer import DFlashTrainer, DFlashTrainingArguments, evaluate_dflash_offline
-from hf_chainflow.losses import block_acceptance_lengths, dflash_loss
+from hf_chainflow.training.dflash_data import DFlashWindowDataset
+from hf_chainflow.training.dflash_trainer import DFlashTrainer, DFlashTrainingArguments, evaluate_dflash_offline
+from hf_chainflow.training.losses import block_acceptance_lengths, dflash_loss
 from hf_chainflow.testing import tiny_target
 
 LAYERS = [0, 2]  # of the tiny 4-layer targets
@@ -367,7 +367,7 @@ def test_train_command_trains_a_dflash_drafter(tiny_prepared, tmp_path):
         main([*base, "--out", str(tmp_path / "b"), "--max-steps", "1", "--drafter-arg", f"mask_token_id={used[3]}"])
     with pytest.raises(SystemExit, match=r"--vae-pretrain-steps.*train ChainFlow drafters"):
         main([*base, "--out", str(tmp_path / "c"), "--vae-pretrain-steps", "5"])
-    with pytest.raises(SystemExit, match=r"\['num_blocks'\], which are not hf_chainflow.dflash.dflash_config fields"):
+    with pytest.raises(SystemExit, match=r"\['num_blocks'\], which are not hf_chainflow.training.dflash.dflash_config fields"):
         main([*base, "--out", str(tmp_path / "d"), "--drafter-arg", "num_blocks=2"])
     (tmp_path / "eagle.yaml").write_text("drafter_type: eagle\n")
     with pytest.raises(SystemExit, match=r"--drafter-type must be one of \['chainflow', 'dflash'\], got 'eagle'"):

@@ -28,8 +28,8 @@ def test_two_processes_stay_in_step(tiny_prepared):
         import hashlib, json, torch, torch.distributed as dist
         from transformers import AutoModelForCausalLM
         from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
-        from hf_chainflow.data import ChainFlowWindowDataset, read_shortlist, state_statistics
-        from hf_chainflow.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
+        from hf_chainflow.training.data import ChainFlowWindowDataset, read_shortlist, state_statistics
+        from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
 
         torch.set_num_threads(1)
         target = AutoModelForCausalLM.from_pretrained("target").eval().requires_grad_(False)

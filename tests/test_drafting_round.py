@@ -1,4 +1,4 @@
-"""The compiled drafting round (`hf_chainflow.drafting_round`) drafts what the eager round drafts.
+"""The compiled drafting round (`hf_chainflow.generation.drafting_round`) drafts what the eager round drafts.
 
 Over many windows of tiny random drafters (folded feedback with a candidate budget, a shortlist), chains and trees
 with a budget cut: identical tokens and parents, log-probabilities within float tolerance, or a parting only at a
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.drafting_round import compare_drafts
+from hf_chainflow.generation.drafting_round import compare_drafts
 from hf_chainflow.testing import tiny_target
 
 from _windows import one_thread, tiny_drafter_config
@@ -98,7 +98,7 @@ def test_more_keys_than_dynamos_recompile_limit_all_compile():
     past which a shared function would silently run eagerly) every new key still gets a graph of its own."""
     from torch._dynamo.utils import counters
 
-    from hf_chainflow.drafting_round import CompiledDraftingRound
+    from hf_chainflow.generation.drafting_round import CompiledDraftingRound
 
     target = tiny_target("llama", num_layers=2)
     drafter = _drafter(target)

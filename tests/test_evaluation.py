@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowDrafter, DraftTree
-from hf_chainflow.evaluation import (
+from hf_chainflow.training.evaluation import (
     accepted_lengths,
     draft_batch,
     draft_chains,
@@ -25,8 +25,8 @@ from hf_chainflow.evaluation import (
     tree_matching_path,
     walk_rounds,
 )
-from hf_chainflow.search import DraftBatch
-from hf_chainflow.settings import SearchSettings
+from hf_chainflow.generation.search import DraftBatch
+from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.testing import tiny_target
 
 from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
@@ -147,7 +147,7 @@ def test_evaluate_offline_reports_and_paths_agree(setup, tmp_path):
 def test_a_drafter_that_copies_the_truth_reaches_full_acceptance(setup, monkeypatch):
     """The accounting end to end: drafts equal to the target's tokens give tau = 1 + k (where positions exist)."""
     target, windows, drafter = setup
-    import hf_chainflow.evaluation as ev
+    import hf_chainflow.training.evaluation as ev
 
     tokens = torch.stack([w["target_tokens"][:3] for w in windows])  # (B, 3)
     chain = dict(parents=torch.arange(-1, 2).expand_as(tokens), depths=torch.arange(1, 4).expand_as(tokens),
@@ -205,7 +205,7 @@ def test_sequence_walks_orders_anchors_and_needs_all_of_them():
 
 def test_walk_of_a_drafter_that_copies_the_truth(setup, monkeypatch):
     target, windows, drafter = setup
-    import hf_chainflow.evaluation as ev
+    import hf_chainflow.training.evaluation as ev
 
     monkeypatch.setattr(ev, "reference_chain", lambda d, w, k, steps=None: w["target_tokens"][:k])
     out = evaluate_walk(drafter, _Responses(windows, 2), num_tokens=3, progress=False)
@@ -290,7 +290,7 @@ def test_num_flow_steps_is_none_or_positive(setup):
 @pytest.mark.parametrize("evaluate", ["offline", "walk"])
 def test_a_failing_evaluation_gives_the_drafter_back_in_its_training_mode(setup, monkeypatch, evaluate):
     target, windows, drafter = setup
-    import hf_chainflow.evaluation as ev
+    import hf_chainflow.training.evaluation as ev
 
     seen = []
 
@@ -336,7 +336,7 @@ def test_walk_comparison_scripts_print_differences_and_intervals(tmp_path):
 
 
 def test_reports_are_strict_json(tmp_path):
-    from hf_chainflow.evaluation import strict_json, write_report
+    from hf_chainflow.training.evaluation import strict_json, write_report
 
     assert strict_json({"a": [1.0, float("nan")], "b": {"c": float("inf"), "d": (2, "x")}}) == \
         '{"a": [1.0, null], "b": {"c": null, "d": [2, "x"]}}'

@@ -54,9 +54,9 @@ def tear(path, keep=0.5):
 def nothing_loads(monkeypatch):
     """Fail the test if a command gets as far as loading a model; keep the test process's thread count."""
     import hf_chainflow.bench.run as bench_run
-    import hf_chainflow.demo as demo
+    import hf_chainflow.commands.demo_run as demo
     import hf_chainflow.targets as targets
-    import hf_chainflow.workflows as workflows
+    import hf_chainflow.training.workflows as workflows
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the drafter folder was checked")
@@ -116,7 +116,7 @@ def test_a_folder_without_config_is_not_a_drafter(tmp_path):
 
 
 def test_a_torn_config_of_a_dflash_drafter_is_refused(target, tmp_path):
-    from hf_chainflow.dflash import build_dflash_drafter, load_dflash_drafter
+    from hf_chainflow.training.dflash import build_dflash_drafter, load_dflash_drafter
 
     build_dflash_drafter(target, seed=0, mask_token_id=3, target_layer_ids=[1, 2], block_size=4, num_hidden_layers=1,
                          sliding_window=8).save_pretrained(tmp_path)

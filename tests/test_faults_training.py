@@ -30,15 +30,15 @@ from safetensors import safe_open
 from transformers import Trainer
 
 import hf_chainflow.targets as targets
-import hf_chainflow.checkpointing as checkpointing
+import hf_chainflow.training.checkpointing as checkpointing
 from hf_chainflow.commands import main
-from hf_chainflow.data import prepare, read_manifest
+from hf_chainflow.training.data import prepare, read_manifest
 from hf_chainflow.fileio import CHECKPOINT_MARKER, TEMP_GLOB, is_complete_checkpoint, mark_checkpoint_complete
 
 from _fixtures import PROMPTS
 from _windows import TINY_DRAFTER
 
-TRAINER_LOG = "hf_chainflow.checkpointing"
+TRAINER_LOG = "hf_chainflow.training.checkpointing"
 
 
 class Killed(BaseException):
@@ -194,7 +194,7 @@ def _checkpoint(out: Path, step: int, *, complete: bool, files=("trainer_state.j
 
 
 def test_rotation_deletes_incomplete_checkpoints_first_and_never_the_kept_ones(tmp_path):
-    from hf_chainflow.checkpointing import rotate_checkpoints
+    from hf_chainflow.training.checkpointing import rotate_checkpoints
 
     for step, complete in ((2, True), (4, True), (6, False), (8, True), (10, False)):
         _checkpoint(tmp_path, step, complete=complete)
@@ -209,7 +209,7 @@ def test_rotation_deletes_incomplete_checkpoints_first_and_never_the_kept_ones(t
 def test_a_checkpoint_without_its_marker_resumes_only_when_named(tmp_path, caplog):
     """A checkpoint written before complete-only checkpoints (every file, no marker): `last` does not take it but
     says how to; named, it is taken with a warning. One missing a file is refused either way."""
-    from hf_chainflow.checkpointing import resolve_resume_checkpoint
+    from hf_chainflow.training.checkpointing import resolve_resume_checkpoint
 
     old = _checkpoint(tmp_path, 500, complete=False)
     cut = _checkpoint(tmp_path, 1000, complete=False, files=("model.safetensors",))
@@ -489,7 +489,7 @@ def test_every_trainer_of_the_package_writes_complete_checkpoints():
     from transformers import Trainer
 
     import hf_chainflow
-    from hf_chainflow.checkpointing import CompleteCheckpointsMixin
+    from hf_chainflow.training.checkpointing import CompleteCheckpointsMixin
 
     found = {}
     for info in pkgutil.walk_packages(hf_chainflow.__path__, "hf_chainflow."):
@@ -499,7 +499,7 @@ def test_every_trainer_of_the_package_writes_complete_checkpoints():
         for name, obj in inspect.getmembers(module, inspect.isclass):
             if issubclass(obj, Trainer) and obj is not Trainer and obj.__module__ == info.name:
                 found[f"{info.name}.{name}"] = obj
-    assert {"hf_chainflow.trainer.ChainFlowTrainer", "hf_chainflow.dflash_trainer.DFlashTrainer"} <= set(found)
+    assert {"hf_chainflow.training.trainer.ChainFlowTrainer", "hf_chainflow.training.dflash_trainer.DFlashTrainer"} <= set(found)
     for name, cls in found.items():
         mro = cls.__mro__
         assert CompleteCheckpointsMixin in mro and mro.index(CompleteCheckpointsMixin) < mro.index(Trainer), name

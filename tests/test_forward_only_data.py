@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowConfig
-from hf_chainflow.corpus import GenerationSettings, ResponseCorpus
-from hf_chainflow.data import (ChainFlowWindowDataset, check_windows_fit, iter_sequences, layer_statistics, prepare,
+from hf_chainflow.training.corpus import GenerationSettings, ResponseCorpus
+from hf_chainflow.training.data import (ChainFlowWindowDataset, check_windows_fit, iter_sequences, layer_statistics, prepare,
                                read_manifest, read_shortlist, text_ids)
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target

@@ -476,13 +476,13 @@ def _parameters(fn):
 
 
 def test_transformers_generate_signature_is_the_one_the_hook_was_written_against():
-    integration = hf_chainflow.integration
+    integration = hf_chainflow.generation.hook
     assert _parameters(integration._original_generate) == GENERATE_PARAMETERS, (
-        "transformers' `GenerationMixin.generate` signature changed: check what hf_chainflow.integration._generate "
+        "transformers' `GenerationMixin.generate` signature changed: check what hf_chainflow.generation.hook._generate "
         "reads and passes on, then update GENERATE_PARAMETERS")
     assert _parameters(integration._original_get_candidate_generator) == GET_CANDIDATE_GENERATOR_PARAMETERS, (
         "transformers' `GenerationMixin._get_candidate_generator` signature changed: check "
-        "hf_chainflow.integration._get_candidate_generator, then update GET_CANDIDATE_GENERATOR_PARAMETERS")
+        "hf_chainflow.generation.hook._get_candidate_generator, then update GET_CANDIDATE_GENERATOR_PARAMETERS")
     # the wrappers show (and bind against) transformers' own signatures
     assert _parameters(GenerationMixin.generate) == GENERATE_PARAMETERS
     assert _parameters(GenerationMixin._get_candidate_generator) == GET_CANDIDATE_GENERATOR_PARAMETERS
@@ -491,14 +491,14 @@ def test_transformers_generate_signature_is_the_one_the_hook_was_written_against
 
 def test_other_generate_calls_are_untouched(llama):
     assert getattr(GenerationMixin.generate, "_chainflow", False)
-    ref = hf_chainflow.integration._original_generate(llama, PROMPT, max_new_tokens=10, do_sample=False)
+    ref = hf_chainflow.generation.hook._original_generate(llama, PROMPT, max_new_tokens=10, do_sample=False)
     assert torch.equal(llama.generate(PROMPT, max_new_tokens=10, do_sample=False), ref)
     assert torch.equal(llama.generate(PROMPT, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3), ref)
     seen = []
-    original = hf_chainflow.integration._original_get_candidate_generator
+    original = hf_chainflow.generation.hook._original_get_candidate_generator
 
     def spy(self, *args, **kwargs):
-        gen = hf_chainflow.integration._get_candidate_generator(self, *args, **kwargs)
+        gen = hf_chainflow.generation.hook._get_candidate_generator(self, *args, **kwargs)
         seen.append(type(gen))
         return gen
 
@@ -508,7 +508,7 @@ def test_other_generate_calls_are_untouched(llama):
         out = llama.generate(PROMPT, max_new_tokens=10, do_sample=False, assistant_model=assistant)
         llama.generate(PROMPT, max_new_tokens=10, do_sample=False, assistant_model=drafter_for(llama))
     finally:
-        GenerationMixin._get_candidate_generator = hf_chainflow.integration._get_candidate_generator
+        GenerationMixin._get_candidate_generator = hf_chainflow.generation.hook._get_candidate_generator
     assert torch.equal(out, ref)
     assert seen == [AssistedCandidateGenerator, ChainFlowCandidateGenerator]
-    assert original is not hf_chainflow.integration._get_candidate_generator
+    assert original is not hf_chainflow.generation.hook._get_candidate_generator

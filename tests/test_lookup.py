@@ -5,7 +5,7 @@ import torch
 
 import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter, DraftTree
-from hf_chainflow.lookup import next_lookup_length, prompt_lookup
+from hf_chainflow.generation.prompt_lookup import next_lookup_length, prompt_lookup
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
 
 
@@ -122,7 +122,7 @@ def test_lookup_refusals():
 def test_trusted_branches_grow_in_the_loop_while_accepted_whole(monkeypatch, longest):
     """With a lookup that always proposes the target's own continuation, every trusted branch is accepted whole:
     the branch doubles 4 -> 8 -> 16 with `lookup_max_tokens=16`, and stays at 4 without it; output unchanged."""
-    import hf_chainflow.lookup as lookup
+    import hf_chainflow.generation.prompt_lookup as lookup
 
     target = tiny_target("llama")
     prompt = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(2))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_chainflow.losses import (
+from hf_chainflow.training.losses import (
     DEFAULT_LOSS_WEIGHTS,
     acceptance_loss,
     chainflow_loss,

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModel
 
 import hf_chainflow  # noqa: F401  (registers the `chainflow` model type)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter, DraftTree
-from hf_chainflow.search import folded_feedback_logits
+from hf_chainflow.generation.search import folded_feedback_logits
 from hf_chainflow.testing import tiny_target
 
 SMALL = dict(num_blocks=1, num_heads=4, path_hidden_size=32, markov_rank=16)
@@ -223,7 +223,7 @@ def test_eval_refolds_feedback_after_fused_optimizer_steps(target, context):
 def test_stacked_experts_compute_the_module_velocity(target, overrides):
     """Serving runs the experts stacked (`serving_velocity`): the same velocity as the module, bit for bit, with and
     without a context mask; rebuilt after an in-place update; the module itself in training mode or under LoRA."""
-    from hf_chainflow.modeling_chainflow import StackedExperts
+    from hf_chainflow.models.chainflow.modeling_chainflow import StackedExperts
 
     drafter = make(target, **overrides).bind_target(target)
     gen = torch.Generator().manual_seed(4)
@@ -381,7 +381,7 @@ def test_resizing_feedback_heads_errors_change_nothing(target):
         make(target, feedback="none").resize_markov_head(64)
     assert drafter.config.path_hidden_size == 32 and drafter.config.markov_rank == 16
     assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
-    from hf_chainflow.adapters import add_language_adapter
+    from hf_chainflow.training.adapters import add_language_adapter
 
     peft_model = add_language_adapter(drafter, "de")
     with pytest.raises(ValueError, match=r"path head.s layers .* are wrapped, .* Merge the adapter"):

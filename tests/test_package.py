@@ -41,12 +41,12 @@ def test_help_and_usage_errors_import_neither_torch_nor_transformers():
     assert result["loaded"] == []
 
 
-# `from hf_chainflow.modeling_chainflow import ChainFlowDrafter`: the next test
+# `from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter`: the next test
 DRAFTER_PATHS = [
     "import hf_chainflow\nassert 'torch' not in sys.modules\nhf_chainflow.ChainFlowDrafter",
-    "from hf_chainflow.configuration_chainflow import ChainFlowConfig",
+    "from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfig",
     "from hf_chainflow.testing import OracleDrafter",
-    "import hf_chainflow.integration",  # the hook's own module (it imports decoding, settings, ...)
+    "import hf_chainflow.generation.hook",  # the hook's own module (it imports decoding, settings, ...)
 ]
 HOOK_STATE = ("from transformers import AutoConfig, AutoModel\n"
               "from transformers.generation.utils import GenerationMixin\n"
@@ -62,13 +62,13 @@ def test_every_way_to_a_drafter_installs_the_generate_hook(first):
 
 
 def test_a_drafter_from_the_modeling_module_drafts_in_generate_without_hybrid_modeling():
-    """Nothing but `hf_chainflow.modeling_chainflow` imported from the package: the model type is registered, and
+    """Nothing but `hf_chainflow.models.chainflow.modeling_chainflow` imported from the package: the model type is registered, and
     `generate(assistant_model=drafter)` drafts (tree mode, hf_chainflow's own loop) and equals plain greedy; no
     Qwen3.5 / Qwen3-Next modeling is loaded for this dense target."""
     code = """import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from hf_chainflow.modeling_chainflow import ChainFlowDrafter
+from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter
 """ + HOOK_STATE + """
 ChainFlowConfig = type(config)
 
@@ -98,10 +98,10 @@ def test_public_names_import_from_the_package_top():
     import hf_chainflow
     import hf_chainflow.bench as bench
     from hf_chainflow import ChainFlowTrainer, ChainFlowTrainingArguments, ChainFlowWindowDataset, prepare
-    from hf_chainflow.data import ChainFlowWindowDataset as defined_dataset
-    from hf_chainflow.data import prepare as defined_prepare
-    from hf_chainflow.trainer import ChainFlowTrainer as defined_trainer
-    from hf_chainflow.trainer import ChainFlowTrainingArguments as defined_arguments
+    from hf_chainflow.training.data import ChainFlowWindowDataset as defined_dataset
+    from hf_chainflow.training.data import prepare as defined_prepare
+    from hf_chainflow.training.trainer import ChainFlowTrainer as defined_trainer
+    from hf_chainflow.training.trainer import ChainFlowTrainingArguments as defined_arguments
 
     assert (ChainFlowTrainer, ChainFlowTrainingArguments) == (defined_trainer, defined_arguments)
     assert (ChainFlowWindowDataset, prepare) == (defined_dataset, defined_prepare)

@@ -1,4 +1,4 @@
-"""`PackedLinear` (`hf_chainflow.packed_linear`): the drafting round's head products with the weight packed once for
+"""`PackedLinear` (`hf_chainflow.generation.packed_linear`): the drafting round's head products with the weight packed once for
 oneDNN compute `F.linear` bit for bit, eager and compiled, and the drafter's serving tables hold them."""
 
 import copy
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.packed_linear import PackedLinear
-from hf_chainflow.search import search_levels
-from hf_chainflow.settings import SearchSettings
+from hf_chainflow.generation.packed_linear import PackedLinear
+from hf_chainflow.generation.search import search_levels
+from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.testing import tiny_target
 
 from _windows import tiny_drafter_config

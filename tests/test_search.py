@@ -1,4 +1,4 @@
-"""The candidate search (`hf_chainflow.search`) against a plain reference: one window, one beam level at a time.
+"""The candidate search (`hf_chainflow.generation.search`) against a plain reference: one window, one beam level at a time.
 
 `reference_search` below is the search as it was written before it was batched (one window, `index_select` on
 the candidate rows, Python ranking of the budget cut): the batched search must give the same drafts bit for bit,
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_chainflow import ChainFlowDrafter, DraftTree
-from hf_chainflow.search import candidate_search
-from hf_chainflow.settings import SearchSettings
+from hf_chainflow.generation.search import candidate_search
+from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.testing import tiny_target
 
 from _windows import one_thread, tiny_drafter_config
@@ -226,7 +226,7 @@ def test_a_batch_of_windows_drafts_what_each_window_drafts_alone(target, name):
 
 
 def test_level_sizes_are_known_before_the_search():
-    from hf_chainflow.search import level_sizes
+    from hf_chainflow.generation.search import level_sizes
 
     assert level_sizes(SearchSettings(mode="chain", num_tokens=3), branching=8) == [1, 1, 1]
     assert level_sizes(SearchSettings(mode="tree", tree_width=8, tree_depth=4), branching=3) == [3, 8, 8, 8]

@@ -1,4 +1,4 @@
-"""`hf_chainflow.settings`: the drafting rules in one place, each refusal naming the field, the value and the fix;
+"""`hf_chainflow.generation.settings`: the drafting rules in one place, each refusal naming the field, the value and the fix;
 the settings read once per `generate` call and handed to whichever loop runs it."""
 
 import dataclasses
@@ -12,10 +12,10 @@ import torch
 from transformers import GenerationConfig
 
 import hf_chainflow
-import hf_chainflow.decoding as decoding
-import hf_chainflow.integration as integration
+import hf_chainflow.generation.loop as decoding
+import hf_chainflow.generation.hook as integration
 from hf_chainflow import ChainFlowCandidateGenerator
-from hf_chainflow.settings import (
+from hf_chainflow.generation.settings import (
     SearchSettings,
     SpeculativeSettings,
     is_stateful_target,

@@ -31,8 +31,7 @@ def test_a_short_soak_on_every_family_counts_no_mismatch(soak, tmp_path):
 
 def test_a_broken_acceptance_rule_is_counted(soak, tmp_path, monkeypatch):
     """Accept one more node than the target agrees with, wherever one follows: the soak must see it."""
-    from hf_chainflow import verification
-
+    from hf_chainflow.generation import verification
     greedy = verification.accept_greedy
 
     def one_too_many(tree, logits):

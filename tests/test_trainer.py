@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.testing import tiny_target
-from hf_chainflow.trainer import (
+from hf_chainflow.training.trainer import (
     ChainFlowTrainer,
     ChainFlowTrainingArguments,
     ReplayMixDataset,
@@ -111,7 +111,7 @@ def test_failed_construction_and_failed_vae_stage_leave_the_drafter_unchanged(ta
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("hf_chainflow.trainer.vae_reconstruction_loss", broken)
+    monkeypatch.setattr("hf_chainflow.training.trainer.vae_reconstruction_loss", broken)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.pretrain_vae(num_steps=2)
     assert not drafter.training
@@ -185,7 +185,7 @@ def test_resume_from_checkpoint_true_takes_the_newest_complete_checkpoint(target
                                          r"lacks checkpoint_complete.json and a readable trainer_state.json, "
                                          r"optimizer.pt .* resume from `resume_from_checkpoint='.*checkpoint-2'`"):
         trainer.train(resume_from_checkpoint=str(half))
-    with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):
+    with caplog.at_level("WARNING", logger="hf_chainflow.training.trainer"):
         trainer.train(resume_from_checkpoint=True)
     assert "Resuming from" in caplog.text and "checkpoint-2" in caplog.text and "skipped the incomplete checkpoint-4" \
         in caplog.text
@@ -246,14 +246,14 @@ def test_vae_pretraining_losses_reach_the_console(target, windows, tmp_path, cap
 def test_train_flow_steps_overrides_the_trajectory_length(target, windows, tmp_path, caplog):
     drafter = new_drafter(target)
     before = drafter.config.train_flow_steps
-    with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):
+    with caplog.at_level("WARNING", logger="hf_chainflow.training.trainer"):
         trainer = ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
     assert f"`train_flow_steps=3` overrides the drafter config's {before}" in caplog.text  # a changed recipe is said
     batch = trainer.data_collator(windows[:2])
     out = drafter(**{k: v for k, v in batch.items() if k != "domain"})
     assert drafter.config.train_flow_steps == 3 and out.predicted_states.shape[1] == 3
     caplog.clear()
-    with caplog.at_level("WARNING", logger="hf_chainflow.trainer"):  # the same value again: nothing to say
+    with caplog.at_level("WARNING", logger="hf_chainflow.training.trainer"):  # the same value again: nothing to say
         ChainFlowTrainer(model=drafter, args=make_args(tmp_path, train_flow_steps=3), train_dataset=windows)
     assert "overrides" not in caplog.text
 

@@ -18,7 +18,7 @@ import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.testing import TINY_FAMILIES, tiny_target
-from hf_chainflow.verification import select_target_states
+from hf_chainflow.generation.verification import select_target_states
 
 from _speculative import set_shape
 from _windows import TINY_DRAFTER, make_windows, tiny_drafter_config
@@ -248,7 +248,7 @@ def test_the_train_command_sets_layer_statistics_and_eval_offline_walks(tmp_path
     """`hf-chainflow prepare --target-layers` -> `train --drafter-arg target_layer_ids=[0]` -> `eval-offline
     --walk-sequences`: the fused layer's statistics come from the data, the drafter trains, loads and walks."""
     from hf_chainflow.commands import main
-    from hf_chainflow.data import layer_statistics
+    from hf_chainflow.training.data import layer_statistics
     from hf_chainflow.targets import load_tokenizer
 
     from _fixtures import PROMPTS

@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_chainflow.testing import tiny_target
-from hf_chainflow.tree import DraftTree
-from hf_chainflow.verification import (
+from hf_chainflow.generation.tree import DraftTree
+from hf_chainflow.generation.verification import (
     Acceptance,
     accept_greedy,
     accept_sampling,

@@ -13,7 +13,7 @@
 The public names import from here too (`from hf_chainflow.bench import run_bench`), each on first use.
 """
 
-from .._lazy import lazy_exports
+from hf_chainflow._lazy import lazy_exports
 
 # public name -> the module of this package that defines it
 _EXPORTS = {

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from ..stats import SpeculativeStats
-from .defaults import BASE_ARMS
+from hf_chainflow.generation.stats import SpeculativeStats
+from hf_chainflow.bench.defaults import BASE_ARMS
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Arm:
     """One way of generating, in one dtype.
 
     `kind` is `"ar"`, `"pld"`, `"chain"`, `"tree"`, `"dflash"` or `"custom"`. Chain/tree arms name their `drafter`
-    (a key of the `drafters` given to `run_bench`); a `dflash` arm names a DFlash drafter (`hf_chainflow.dflash`) in
+    (a key of the `drafters` given to `run_bench`); a `dflash` arm names a DFlash drafter (`hf_chainflow.training.dflash`) in
     the arm's dtype, run by stock transformers (`speculation_type="dflash"`). A custom arm (tests, experiments)
     calls `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
     """

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..fileio import atomic_write_text
-from .arms import Arm, configure_drafter
-from .numerics import explain_mismatch
-from .prompts import BenchPrompt
+from hf_chainflow.fileio import atomic_write_text
+from hf_chainflow.bench.arms import Arm, configure_drafter
+from hf_chainflow.bench.numerics import explain_mismatch
+from hf_chainflow.bench.prompts import BenchPrompt
 
 
 def left_padded(prompts: list[BenchPrompt], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from ..fileio import atomic_write_text
-from ..stats import SpeculativeStats
-from .arms import Run
-from .defaults import JOURNAL_NAME
+from hf_chainflow.fileio import atomic_write_text
+from hf_chainflow.generation.stats import SpeculativeStats
+from hf_chainflow.bench.arms import Run
+from hf_chainflow.bench.defaults import JOURNAL_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .defaults import DEFAULT_TIE_TOLERANCE, PADDED_FLOAT32_TIE_TOLERANCE
+from hf_chainflow.bench.defaults import DEFAULT_TIE_TOLERANCE, PADDED_FLOAT32_TIE_TOLERANCE
 
 
 def first_divergence(reference: list[int], other: list[int]) -> int | None:

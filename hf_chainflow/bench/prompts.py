@@ -21,7 +21,7 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
     A row that does not parse, lacks `id`, `domain` or `prompt`, or repeats an earlier row's `id` is refused with a
     `ValueError` naming the file and line: the bench journals, resumes and reports each prompt by its id, so two rows
     of one id would be read back as one. An empty file is refused too."""
-    from ..data import parse_jsonl_line
+    from hf_chainflow.training.data import parse_jsonl_line
 
     path = Path(path) if path is not None else default_prompts_path()
     if not path.is_file():

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from ..fileio import atomic_path, atomic_write_text, read_json
+from hf_chainflow.fileio import atomic_path, atomic_write_text, read_json
 
 
 def _fmt(x, spec=".2f", none="–"):

@@ -15,16 +15,16 @@ from typing import Callable
 
 import torch
 
-from ..fileio import FolderLock
-from ..stats import SpeculativeStats
-from .arms import Arm, Run, build_arms, configure_drafter, run_arm
-from .defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
-from .journal import (BenchJournal, check_journal, config_digest, earlier_config_digests, journal_header,
+from hf_chainflow.fileio import FolderLock
+from hf_chainflow.generation.stats import SpeculativeStats
+from hf_chainflow.bench.arms import Arm, Run, build_arms, configure_drafter, run_arm
+from hf_chainflow.bench.defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
+from hf_chainflow.bench.journal import (BenchJournal, check_journal, config_digest, earlier_config_digests, journal_header,
                       run_from_dict, weights_digest)
-from .machine import machine_info
-from .numerics import explain_mismatch
-from .prompts import BenchPrompt, choose_prompts, default_prompts_path, tokenize_prompts
-from .report import same_length_summary, write_results
+from hf_chainflow.bench.machine import machine_info
+from hf_chainflow.bench.numerics import explain_mismatch
+from hf_chainflow.bench.prompts import BenchPrompt, choose_prompts, default_prompts_path, tokenize_prompts
+from hf_chainflow.bench.report import same_length_summary, write_results
 
 
 def _pooled_stats(runs: list[Run]) -> SpeculativeStats | None:
@@ -269,7 +269,7 @@ def warm_up_arms(arms: list[Arm], drafters: dict[str, dict[str, object]], compil
     """Set `compile_drafting` on every drafter (`None`: keep its own) and compile the drafting rounds of every
     speculative arm (`ChainFlowDrafter.warm_up_drafting`), outside any timed region. Returns, per drafter name,
     `{"compile_drafting", "dtype", "serving_head_dtype", "compile_seconds"}` (the record of the run)."""
-    from ..settings import SpeculativeSettings
+    from hf_chainflow.generation.settings import SpeculativeSettings
 
     if compile_drafting is not None and not isinstance(compile_drafting, bool):
         raise ValueError(f"`compile_drafting` must be True, False or None (keep each drafter's own setting), got "
@@ -319,12 +319,12 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     each drafter arm at every batch size) and writes `batched_results.json` / `.md` to `output_dir`.
 
     `dflash`: a DFlash drafter folder (`hf-chainflow train --drafter-type dflash`), loaded in each target dtype
-    (`hf_chainflow.dflash.load_dflash_drafter`: stock transformers feeds it the target's tensors as they are) and run
+    (`hf_chainflow.training.dflash.load_dflash_drafter`: stock transformers feeds it the target's tensors as they are) and run
     as the `dflash` arm by stock transformers (`speculation_type="dflash"`); its τ is counted like prompt lookup's.
     Stock DFlash decoding is batch 1, so it has no place in the batched bench.
     """
-    from ..modeling_chainflow import ChainFlowDrafter
-    from ..targets import load_model_and_tokenizer
+    from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter
+    from hf_chainflow.targets import load_model_and_tokenizer
 
     if dflash is not None and batch_sizes is not None:
         raise ValueError("`--dflash` with `--batch-sizes`: stock transformers' DFlash decoding runs one prompt at a "
@@ -343,7 +343,7 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
                                                                       dtype=getattr(torch, drafter_dtype)).eval()
         dflash_drafters = {}
         if dflash is not None:
-            from ..dflash import load_dflash_drafter
+            from hf_chainflow.training.dflash import load_dflash_drafter
 
             dflash_drafters = {dt: load_dflash_drafter(dflash, models[dt]) for dt in dtypes}
         if lookup is None and "chainflow" in drafters:  # the default drafter's own lookup setting, if it has one
@@ -364,7 +364,7 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
         warmup = tokenize_prompts(tokenizer, [warm_row])[0]
         gen = models[dtypes[0]].generation_config
         if batch_sizes is not None:
-            from .batched import run_batched_bench, write_batched_results
+            from hf_chainflow.bench.batched import run_batched_bench, write_batched_results
 
             results = run_batched_bench(models, bench_prompts, arms, drafters, batch_sizes,
                                         max_new_tokens=max_new_tokens,

@@ -6,7 +6,7 @@ noise hits all arms alike. Arms (each in every requested dtype, with its own tar
     ar           plain greedy `generate`
     pld          transformers' prompt lookup (`prompt_lookup_num_tokens=N`)
     chain, tree  the ChainFlow drafter (`generate(assistant_model=drafter)`), chain / tree drafting
-    tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.lookup`)
+    tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.generation.prompt_lookup`)
     NAME-chain, NAME-tree   any extra drafter (`--drafter NAME=PATH`, e.g. a FlashMap-style drafter)
     dflash       a DFlash drafter (`--dflash PATH`) run by stock transformers (`speculation_type="dflash"`)
 
@@ -145,7 +145,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from hf_chainflow.bench.report import markdown_table
     from hf_chainflow.bench.run import benchmark
     from hf_chainflow.checkpoints import default_drafter_path
-    from hf_chainflow.lookup import lookup_settings
+    from hf_chainflow.generation.prompt_lookup import lookup_settings
 
     batch_sizes = _parse_batch_sizes(args.batch_sizes)
     if args.dflash is not None and batch_sizes is not None:

@@ -34,8 +34,8 @@ def run_corpus_lookup(args: argparse.Namespace) -> int:
     if not Path(args.corpus).is_dir():
         raise ValueError(f"`--corpus` must be a corpus folder, got {args.corpus!r}, which does not exist.")
     check_writable_output("--out", args.out)
-    from hf_chainflow.corpus import ResponseCorpus
-    from hf_chainflow.workflows import add_corpus_lookup
+    from hf_chainflow.training.corpus import ResponseCorpus
+    from hf_chainflow.training.workflows import add_corpus_lookup
 
     ResponseCorpus(args.corpus)  # a corpus (its corpus.json reads), before the drafter loads
 

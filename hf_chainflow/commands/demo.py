@@ -45,7 +45,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
     from hf_chainflow.bench.machine import bf16_hardware_note, demo_dtype
     from hf_chainflow.checkpoints import default_drafter_path
-    from hf_chainflow.demo import DEMO_PROMPTS, demo
+    from hf_chainflow.commands.demo_run import DEMO_PROMPTS, demo
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     path = args.drafter_path or default_drafter_path()

@@ -1,4 +1,4 @@
-"""`hf-chainflow generate-responses`: the target's own responses into a response corpus (`hf_chainflow.corpus`).
+"""`hf-chainflow generate-responses`: the target's own responses into a response corpus (`hf_chainflow.training.corpus`).
 
     hf-chainflow generate-responses --prompts ../shared/data/prompts/train.jsonl \\
         --corpus corpus/smollm2-135m-instruct --domains code,math,qa,mt,rag,summ,tool,transl --seed 20261204
@@ -61,8 +61,7 @@ def _file_sha256(path: str) -> str | None:
 def run_generate_responses(args: argparse.Namespace) -> int:
     """Every check that needs no model (options, the corpus folder, the prompts) runs before the model loads; the
     corpus's writer lock is held from then on (a second job writing to it is refused, naming the holder)."""
-    from hf_chainflow import corpus as corpora
-
+    from hf_chainflow.training import corpus as corpora
     rank, world = corpora.process_rank()
     if args.flush:
         return _flush(args, rank)
@@ -84,8 +83,7 @@ def run_generate_responses(args: argparse.Namespace) -> int:
 
 def _check_corpus_folder(path: str) -> None:
     """`--corpus` is an existing corpus whose corpus.json reads, or a new / empty / half-made folder; writable."""
-    from hf_chainflow import corpus as corpora
-
+    from hf_chainflow.training import corpus as corpora
     if Path(path).exists() and not Path(path).is_dir():
         raise ValueError(f"`--corpus` must be a folder, got {path!r}, which is a file.")
     if (Path(path) / corpora.INFO).is_file():
@@ -106,8 +104,7 @@ def _nothing_selected(args: argparse.Namespace, rows: list[dict]) -> str:
 
 
 def _flush(args: argparse.Namespace, rank: int) -> int:
-    from hf_chainflow import corpus as corpora
-
+    from hf_chainflow.training import corpus as corpora
     corpus = corpora.ResponseCorpus(args.corpus)
     corpora.check_writable(args.corpus)
     with corpora.writer_lock(args.corpus):
@@ -121,7 +118,7 @@ def _flush(args: argparse.Namespace, rank: int) -> int:
 def _generate(args: argparse.Namespace, selection: list[dict], rank: int, world: int) -> dict:
     import torch
 
-    from hf_chainflow import corpus as corpora
+    from hf_chainflow.training import corpus as corpora
     from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:

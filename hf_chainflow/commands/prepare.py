@@ -1,5 +1,5 @@
 """`hf-chainflow prepare`: generate (or take) a target's greedy responses and cache its hidden states
-(`hf_chainflow.data.prepare`).
+(`hf_chainflow.training.data.prepare`).
 
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
@@ -26,7 +26,7 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--prompt-column", default="prompt", help="column of --prompts holding the prompt text")
     p.add_argument("--responses", help="JSONL of already-generated responses (id, prompt_ids, response_ids, ...); "
                                        "without --prompts, these rows are the data set")
-    p.add_argument("--corpus", help="response corpus folder (hf_chainflow.corpus): its rows are the data set")
+    p.add_argument("--corpus", help="response corpus folder (hf_chainflow.training.corpus): its rows are the data set")
     p.add_argument("--split", choices=("train", "heldout"), default="train",
                    help="split of --corpus to prepare (the held-out split only when named)")
     p.add_argument("--domains", help="comma-separated domains of --corpus to prepare (default: all)")
@@ -63,7 +63,7 @@ def add_prepare_parser(sub) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_chainflow.data import MANIFEST, load_prompts, load_responses, prepare, read_manifest
+    from hf_chainflow.training.data import MANIFEST, load_prompts, load_responses, prepare, read_manifest
     from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:
@@ -107,12 +107,12 @@ def run_prepare(args: argparse.Namespace) -> int:
                           f"got {args.target_layers!r}.") from None
     exclude = None
     if args.exclude_heldout:
-        from hf_chainflow.corpus import ResponseCorpus
+        from hf_chainflow.training.corpus import ResponseCorpus
 
         exclude = ResponseCorpus(args.exclude_heldout).ids("heldout")
     responses = args.responses
     if args.corpus:
-        from hf_chainflow.corpus import ResponseCorpus
+        from hf_chainflow.training.corpus import ResponseCorpus
 
         corpus = ResponseCorpus(args.corpus)
         responses = corpus.responses(args.split, domains=args.domains.split(",") if args.domains else None)

@@ -1,5 +1,5 @@
 """`hf-chainflow train` trains a ChainFlow drafter (or a LoRA adapter) on a prepared data directory
-(`hf_chainflow.workflows.train_drafter`); `hf-chainflow eval-offline` measures its τ (`eval_offline.py`).
+(`hf_chainflow.training.workflows.train_drafter`); `hf-chainflow eval-offline` measures its τ (`eval_offline.py`).
 
     hf-chainflow train --target smollm2-135m-instruct --data DATA_DIR --out DRAFTER_DIR [--config train.yaml]
     hf-chainflow train --init-from EN_DRAFTER --data TR_DATA --out TR_DRAFTER --lr 1.2e-4 --replay EN_DATA
@@ -13,9 +13,9 @@ command line win over the file.  Two keys take mappings: `drafter` (ChainFlowCon
 `training_args` (any `ChainFlowTrainingArguments` field, e.g. the loss weights); on the command line they are the
 repeatable `--drafter-arg KEY=VALUE` and `--training-arg KEY=VALUE` (values parsed as YAML).
 
-`--drafter-type dflash` trains a DFlash drafter instead (`hf_chainflow.dflash_workflow`), a plain transformers
+`--drafter-type dflash` trains a DFlash drafter instead (`hf_chainflow.training.dflash_workflow`), a plain transformers
 `muse_glimmer_assistant` folder that stock transformers runs with `generate(..., speculation_type="dflash")`: data
-prepared with `--target-layers`; `drafter` holds `hf_chainflow.dflash.DFLASH_DRAFTER_FIELDS`, `training_args`
+prepared with `--target-layers`; `drafter` holds `hf_chainflow.training.dflash.DFLASH_DRAFTER_FIELDS`, `training_args`
 `DFlashTrainingArguments` fields; the ChainFlow-only options (`--lora`, `--vae-*`, `--train-flow-steps`) are refused.
 """
 
@@ -148,7 +148,7 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
         raise usage_error("train", f"--drafter-type must be one of {list(DRAFTER_TYPES)}, got "
                           f"{opts['drafter_type']!r}.")
     if opts["drafter_type"] == "dflash":
-        from hf_chainflow.dflash_workflow import CHAINFLOW_ONLY_OPTIONS
+        from hf_chainflow.training.dflash_workflow import CHAINFLOW_ONLY_OPTIONS
 
         given = [k for k in CHAINFLOW_ONLY_OPTIONS if opts[k] != TRAIN_DEFAULTS[k]]
         if given:
@@ -162,7 +162,7 @@ def resolve_train_options(args: argparse.Namespace) -> dict:
     if opts["init_from"]:
         check_model_source("--init-from", opts["init_from"])
     if opts["resume"] not in (None, "last"):  # a folder; `last` is looked up with the data, before the target loads
-        from hf_chainflow.checkpointing import check_resume_folder
+        from hf_chainflow.training.checkpointing import check_resume_folder
 
         check_resume_folder(opts["resume"], flags=("--resume", "--out"))
     return opts
@@ -201,17 +201,17 @@ def _check_field_names(opts: dict) -> None:
     """`--drafter-arg` / `--training-arg` keys must name fields, or a typo would be ignored (or fail after loading)."""
     import dataclasses
 
-    from hf_chainflow.configuration_chainflow import ChainFlowConfig
-    from hf_chainflow.trainer import ChainFlowTrainingArguments
+    from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfig
+    from hf_chainflow.training.trainer import ChainFlowTrainingArguments
 
     checks = (("--drafter-arg", "drafter", set(ChainFlowConfig.__annotations__), "ChainFlowConfig"),
               ("--training-arg", "training_args", {f.name for f in dataclasses.fields(ChainFlowTrainingArguments)},
                "ChainFlowTrainingArguments"))
     if opts["drafter_type"] == "dflash":
-        from hf_chainflow.dflash import DFLASH_DRAFTER_FIELDS
-        from hf_chainflow.dflash_trainer import DFlashTrainingArguments
+        from hf_chainflow.training.dflash import DFLASH_DRAFTER_FIELDS
+        from hf_chainflow.training.dflash_trainer import DFlashTrainingArguments
 
-        checks = (("--drafter-arg", "drafter", set(DFLASH_DRAFTER_FIELDS), "hf_chainflow.dflash.dflash_config"),
+        checks = (("--drafter-arg", "drafter", set(DFLASH_DRAFTER_FIELDS), "hf_chainflow.training.dflash.dflash_config"),
                   ("--training-arg", "training_args", {f.name for f in dataclasses.fields(DFlashTrainingArguments)},
                    "DFlashTrainingArguments"))
     for flag, key, fields, owner in checks:
@@ -255,11 +255,11 @@ def run_train(args: argparse.Namespace) -> int:
     out = Path(o["out"])
     created = not out.exists()
     if o["drafter_type"] == "dflash":
-        from hf_chainflow.dflash_workflow import train_dflash_drafter
+        from hf_chainflow.training.dflash_workflow import train_dflash_drafter
 
         train_drafter = functools.partial(train_dflash_drafter, defaults=TRAIN_DEFAULTS)
     else:
-        from hf_chainflow.workflows import train_drafter
+        from hf_chainflow.training.workflows import train_drafter
 
     try:
         return train_drafter(o)

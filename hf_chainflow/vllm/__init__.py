@@ -9,6 +9,6 @@ drafts chains there. Importing this package does not import vLLM; the core packa
 See docs/serving-vllm.md.
 """
 
-from .settings import PROPOSER_CLASS, ProposerSettings, check_settings, speculative_config, speculative_config_json
+from hf_chainflow.vllm.settings import PROPOSER_CLASS, ProposerSettings, check_settings, speculative_config, speculative_config_json
 
 __all__ = ["PROPOSER_CLASS", "ProposerSettings", "check_settings", "speculative_config", "speculative_config_json"]

@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from ..cli_args import check_model_source
-from .settings import speculative_config
+from hf_chainflow.cli_args import check_model_source
+from hf_chainflow.vllm.settings import speculative_config
 
 
 def main(argv: list[str] | None = None) -> int:

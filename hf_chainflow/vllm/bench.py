@@ -74,7 +74,7 @@ def speculative_for(arm: VllmArm, *, drafter_path: str | None, ngram_tokens: int
     if arm.kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": ngram_tokens, "prompt_lookup_min": ngram_min,
                 "prompt_lookup_max": ngram_max}
-    from . import speculative_config
+    from hf_chainflow.vllm import speculative_config
 
     lookup = {"lookup_trust_ngram": 2, "lookup_ngram": 3} if arm.lookup else {}
     return speculative_config(drafter_path, num_speculative_tokens=arm.num_tokens, **lookup)

@@ -34,10 +34,10 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from hf_chainflow.search import candidate_search, committed_tails
-from hf_chainflow.settings import SearchSettings
+from hf_chainflow.generation.search import candidate_search, committed_tails
+from hf_chainflow.generation.settings import SearchSettings
 
-from .settings import SETTINGS_KEY, check_settings
+from hf_chainflow.vllm.settings import SETTINGS_KEY, check_settings
 
 
 class _TargetView:
@@ -315,7 +315,7 @@ class ChainFlowProposer:
     def _lookup(self, tokens: torch.Tensor, room: int) -> list[int] | None:
         """The continuation of the last `lookup_trust_ngram..lookup_ngram` tokens at their latest earlier
         occurrence (prompt lookup, as the shipped generation config's trusted branch), or None."""
-        from hf_chainflow.lookup import prompt_lookup
+        from hf_chainflow.generation.prompt_lookup import prompt_lookup
 
         found, _ = prompt_lookup(tokens, room, self.settings.lookup_ngram, self.settings.lookup_trust_ngram)
         if found is None or found.numel() == 0:

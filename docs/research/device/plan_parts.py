@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hf_chainflow.corpus import ResponseCorpus
+from hf_chainflow.training.corpus import ResponseCorpus
 
 FIELDS = ("id", "domain", "language", "source", "prompt_ids", "response_ids", "finish")
 

@@ -5,7 +5,7 @@ so a drafter that gains them computes what it computed until training moves thei
 drafter's config, so this script writes the grown copy that a warm-started arm starts from. The fused layers'
 statistics come from `--data` (prepared with `--target-layers` naming them), as `hf-chainflow train` takes them for a
 fresh drafter. Before saving, it checks on `--windows` windows of `--data` that the copy's chains and trees equal the
-original's (the serving search on batches of windows, `hf_chainflow.evaluation.draft_batch`).
+original's (the serving search on batches of windows, `hf_chainflow.training.evaluation.draft_batch`).
 
     python docs/research/scripts/add_transport_inputs.py --drafter hf_chainflow/checkpoints/smollm2-135m-instruct \\
         --bonus-embedding --target-layer-ids 1,14,26 --data runs/levers/train --out runs/levers/init-BL
@@ -17,9 +17,9 @@ import copy
 import torch
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.data import ChainFlowWindowDataset, collate, layer_statistics
-from hf_chainflow.evaluation import draft_batch
-from hf_chainflow.settings import SearchSettings
+from hf_chainflow.training.data import ChainFlowWindowDataset, collate, layer_statistics
+from hf_chainflow.training.evaluation import draft_batch
+from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.targets import load_model_and_tokenizer
 
 

@@ -75,7 +75,7 @@ def main():
     else:
         shortlist = None
         if args.shortlist_from:
-            from hf_chainflow.data import read_shortlist
+            from hf_chainflow.training.data import read_shortlist
 
             shortlist = read_shortlist(args.shortlist_from)
         config = ChainFlowConfig.for_target(target.config, shortlist=shortlist)
@@ -88,7 +88,7 @@ def main():
     g = drafter.generation_config
 
     with torch.no_grad():
-        from hf_chainflow.search import candidate_rows
+        from hf_chainflow.generation.search import candidate_rows
 
         latents, condition, mask = drafter._context(h)  # (1, C, Z), the velocity's conditioning, None
         velocity, tables = drafter.serving_velocity(), drafter.serving_tables()  # as served: stacked, packed
@@ -157,7 +157,7 @@ def answered_windows(target, tokenizer, num_prompts: int, context: int, new_toke
     `(states (1, C, D), committed ids (1, L))`; with `layers` (0-based decoder layers), the states are the final
     ones followed by those layers' outputs, `(1, C, (1 + n) D)` (`select_target_states`)."""
     from hf_chainflow.bench.prompts import load_prompts, stratified_selection
-    from hf_chainflow.verification import select_target_states
+    from hf_chainflow.generation.verification import select_target_states
 
     windows = []
     with torch.inference_mode():
@@ -179,8 +179,8 @@ def answered_windows(target, tokenizer, num_prompts: int, context: int, new_toke
 def served_round(args):
     """`--served-round`: per-round medians of `drafter.draft`, eager and compiled, tree and chain, interleaved."""
     from hf_chainflow.checkpoints import default_drafter_path
-    from hf_chainflow.drafting_round import CompiledDraftingRound
-    from hf_chainflow.settings import SpeculativeSettings
+    from hf_chainflow.generation.drafting_round import CompiledDraftingRound
+    from hf_chainflow.generation.settings import SpeculativeSettings
 
     target, tokenizer = load_target("smollm2-135m-instruct", dtype=getattr(torch, args.dtype))
     drafter = ChainFlowDrafter.from_pretrained(args.drafter or default_drafter_path(), target=target).eval()

@@ -2,7 +2,7 @@
 
 Three `offline_eval.json` files whose serving walks covered the same responses (e.g. three training stages walked
 with the same `eval-offline --walk-sequences N`).  Resamples the responses (one draw for all three drafters,
-`hf_chainflow.evaluation.resampled_walk_taus`) and prints, per walk mode, `(tau_B - tau_A) - (tau_C - tau_B)` with
+`hf_chainflow.training.evaluation.resampled_walk_taus`) and prints, per walk mode, `(tau_B - tau_A) - (tau_C - tau_B)` with
 its 95 % interval:
 
     python docs/research/scripts/compare_walk_gains.py A/offline_eval.json B/offline_eval.json C/offline_eval.json
@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 
-from hf_chainflow.evaluation import resampled_walk_taus, walk_tau
+from hf_chainflow.training.evaluation import resampled_walk_taus, walk_tau
 
 
 def main() -> None:

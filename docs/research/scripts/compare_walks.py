@@ -2,7 +2,7 @@
 
 Each `offline_eval.json` comes from `hf-chainflow eval-offline ... --walk-sequences N` with the same data, shards and
 N (so both walked the same responses).  Prints, per walk mode, both `tau`, their difference and a paired-bootstrap
-95 % interval over the responses (`hf_chainflow.evaluation.paired_walk_difference`):
+95 % interval over the responses (`hf_chainflow.training.evaluation.paired_walk_difference`):
 
     python docs/research/scripts/compare_walks.py runs/eval-A/offline_eval.json runs/eval-B/offline_eval.json
 
@@ -14,7 +14,7 @@ between random draws of that many responses (with replacement) from all the resp
 import argparse
 import json
 
-from hf_chainflow.evaluation import paired_walk_difference, resampled_walk_taus, walk_subset
+from hf_chainflow.training.evaluation import paired_walk_difference, resampled_walk_taus, walk_subset
 
 
 def subset(walk: dict, size: int, seed: int) -> dict:

@@ -85,8 +85,8 @@ python "$HERE/compare_walks.py" "$W/walk-FM/offline_eval.json" "$W/walk-CF/offli
 import json, sys
 import torch
 from hf_chainflow import DFlashWindowDataset
-from hf_chainflow.dflash import load_dflash_drafter
-from hf_chainflow.dflash_trainer import evaluate_dflash_offline
+from hf_chainflow.training.dflash import load_dflash_drafter
+from hf_chainflow.training.dflash_trainer import evaluate_dflash_offline
 from hf_chainflow.targets import load_model_and_tokenizer
 torch.set_num_threads(2)
 w = sys.argv[1]

@@ -24,7 +24,7 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench.prompts import load_prompts, stratified_selection, tokenize_prompts
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.dflash import build_dflash_drafter, load_dflash_drafter, parameter_count
+from hf_chainflow.training.dflash import build_dflash_drafter, load_dflash_drafter, parameter_count
 from hf_chainflow.targets import load_target
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_smollm2_dflash.yaml"

@@ -23,7 +23,7 @@ from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.cli import load_model_and_tokenizer
 from hf_chainflow.cli_train import _window_dataset
-from hf_chainflow.evaluation import evaluate_offline
+from hf_chainflow.training.evaluation import evaluate_offline
 
 SETTINGS = [(1, 1.0), (1, 0.5), (1, 0.75), (1, 0.9), (1, 1.1), (2, 1.0)]  # (Euler steps, step scale alpha)
 

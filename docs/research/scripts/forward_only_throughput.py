@@ -1,9 +1,9 @@
 """Throughput of forward-only data: the target's forward over text it did not write, with and without its labels.
 
 Takes `--sequences` training prompts (not the corpus's held-out ones), formats each as `hf-chainflow prepare
---prompt-text chat` does (`hf_chainflow.data.text_ids`), and times, on the same sequences and batches:
+--prompt-text chat` does (`hf_chainflow.training.data.text_ids`), and times, on the same sequences and batches:
 
-- `forward`: `hf_chainflow.data.target_hidden_states` (the prepare pass: every hidden state, no logits);
+- `forward`: `hf_chainflow.training.data.target_hidden_states` (the prepare pass: every hidden state, no logits);
 - `forward+labels`: the same plus the target's argmax at every position (`target_argmax`, what `--target-labels`
   adds);
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hf_chainflow.data import load_prompts, target_argmax, target_hidden_states, text_ids
+from hf_chainflow.training.data import load_prompts, target_argmax, target_hidden_states, text_ids
 from hf_chainflow.targets import load_target
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = load_prompts(args.prompts)
     if args.exclude_heldout:
-        from hf_chainflow.corpus import ResponseCorpus
+        from hf_chainflow.training.corpus import ResponseCorpus
 
         held = ResponseCorpus(args.exclude_heldout).ids("heldout")
         rows = [r for r in rows if r["id"] not in held]

@@ -167,7 +167,7 @@ def load(dtype_name: str, threads: int):
 
 
 def sequences(split: str):
-    from hf_chainflow.corpus import ResponseCorpus
+    from hf_chainflow.training.corpus import ResponseCorpus
     rows = ResponseCorpus(CORPUS).responses(split)
     return [(rid, rows[rid]["prompt_ids"], rows[rid]["response_ids"]) for rid in sorted(rows)]
 

@@ -27,7 +27,7 @@ from benchmark_drafting import answered_windows  # this folder: evaluation promp
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench.machine import machine_info
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.settings import SpeculativeSettings
+from hf_chainflow.generation.settings import SpeculativeSettings
 from hf_chainflow.targets import load_target
 
 LAYERS = [1, 14, 26]  # the levers arms' fused layers (0-based decoder layers)

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from hf_chainflow.evaluation import paired_walk_difference, walk_subset, walk_tau  # noqa: E402
+from hf_chainflow.training.evaluation import paired_walk_difference, walk_subset, walk_tau  # noqa: E402
 
 MODES = ("chain", "tree")
 

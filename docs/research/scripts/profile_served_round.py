@@ -4,7 +4,7 @@
 
 Generates evaluation prompts greedily with the shipped drafter (`target.generate(assistant_model=drafter)`, the
 drafter's own tree shape and budget; the prompt-lookup branch off unless `--lookup`) and times each phase of the
-decoding loop by wrapping the functions `hf_chainflow.decoding` calls: the drafter's `draft`, `verify_forward`
+decoding loop by wrapping the functions `hf_chainflow.generation.loop` calls: the drafter's `draft`, `verify_forward`
 (and inside it the target's backbone and `lm_head`), the logits processing, acceptance and the cache commit. The
 prompts are those `hf-chainflow bench --limit N` takes (round-robin over the domains; the default 8 is one per
 domain). Then, at the first prompt's context, it times the same 13-token forward three ways: plain causal, through
@@ -18,13 +18,13 @@ import time
 
 import torch
 
-import hf_chainflow.decoding as decoding
-import hf_chainflow.verification as verification
+import hf_chainflow.generation.loop as decoding
+import hf_chainflow.generation.verification as verification
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench import load_prompts, stratified_selection
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.targets import load_target
-from hf_chainflow.tree import DraftTree
+from hf_chainflow.generation.tree import DraftTree
 
 
 def main():

@@ -18,7 +18,7 @@ import hf_chainflow  # noqa: F401
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
 from hf_chainflow.targets import load_target
-from hf_chainflow.verification import select_target_states
+from hf_chainflow.generation.verification import select_target_states
 
 FIXTURE = "tests/fixtures/shipped_drafts.json"
 

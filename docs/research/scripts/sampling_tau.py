@@ -2,7 +2,7 @@
 
 Greedy acceptance asks whether a draft token is the target's argmax; sampling (`do_sample=True`) accepts a sampled
 chain token with probability min(1, p/q) and a tree child with the target's own probability of its token
-(`hf_chainflow.verification.accept_sampling_tree`), so tau falls as the temperature rises. This measures it on the
+(`hf_chainflow.generation.verification.accept_sampling_tree`), so tau falls as the temperature rises. This measures it on the
 shipped drafter and the real target, on the bench's stratified evaluation prompts, every arm from the same seed per
 prompt, and prints tau and acceptance per depth per arm (Markdown), next to each arm's greedy tau on the same
 prompts. Speed is the bench's business, not this script's.

@@ -8,7 +8,7 @@ probabilities, compared by the serving walk on held-out responses and priced wit
    record, for the target's own path through it, each path node's rank by path probability.  Cutting the tree to
    its `b` most probable nodes keeps an ancestor-closed subtree, so the accepted length at budget `b` is the number
    of leading path nodes ranked below `b`: every budget and rule is read off the same drafts.
-2. Walk each rule as the serving loop does (`hf_chainflow.evaluation.walk_rounds`: a round accepting `a` tokens
+2. Walk each rule as the serving loop does (`hf_chainflow.training.evaluation.walk_rounds`: a round accepting `a` tokens
    moves `a + 1` tokens on): walk tau = tokens / rounds.
 3. Price a round verifying `b` nodes as drafting (`--draft-ms`) + the target's forward over `b + 1` tokens,
    interpolated from `--latency` (the `target forward, N token(s)` lines of `docs/research/scripts/benchmark_drafting.py`'s
@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.cli_train import parse_shards
-from hf_chainflow.data import ChainFlowWindowDataset
-from hf_chainflow.evaluation import sequence_walks, tree_matching_path, walk_rounds
+from hf_chainflow.training.data import ChainFlowWindowDataset
+from hf_chainflow.training.evaluation import sequence_walks, tree_matching_path, walk_rounds
 from hf_chainflow.targets import load_target
 
 NO_RANK = 10**6  # a path node the tree does not hold

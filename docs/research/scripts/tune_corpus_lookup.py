@@ -1,4 +1,4 @@
-"""Tuning experiment (not a test): does a corpus-lookup branch (`hf_chainflow.corpus_lookup`) pay beside the shipped
+"""Tuning experiment (not a test): does a corpus-lookup branch (`hf_chainflow.generation.corpus_lookup`) pay beside the shipped
 `tree+lookup` setting, and in which rounds?
 
 One bench run (`hf_chainflow.bench.run_bench`: arms interleaved prompt by prompt, outputs checked against plain
@@ -21,8 +21,8 @@ import torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench import Arm, build_arms
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.corpus import ResponseCorpus
-from hf_chainflow.corpus_lookup import ContinuationTable
+from hf_chainflow.training.corpus import ResponseCorpus
+from hf_chainflow.generation.corpus_lookup import ContinuationTable
 from hf_chainflow.targets import load_model_and_tokenizer
 from tune_tree_budget import bench_variants  # this folder: the interleaved run and its report
 

@@ -6,9 +6,9 @@ compiled round. Run from the repository root: `PYTHONPATH=. python docs/research
 import sys, torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.drafting_round import compare_drafts
-from hf_chainflow.search import committed_tails, candidate_rows, search_levels, DraftBatch
-from hf_chainflow.settings import SpeculativeSettings, SearchSettings
+from hf_chainflow.generation.drafting_round import compare_drafts
+from hf_chainflow.generation.search import committed_tails, candidate_rows, search_levels, DraftBatch
+from hf_chainflow.generation.settings import SpeculativeSettings, SearchSettings
 from hf_chainflow.targets import load_target
 from windows import held_out_windows
 torch.set_num_threads(1)

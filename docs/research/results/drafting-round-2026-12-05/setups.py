@@ -5,9 +5,9 @@ held-out windows. Run from the repository root: `PYTHONPATH=. python docs/resear
 import sys, torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
-from hf_chainflow.drafting_round import compare_drafts, drafting_round, CompiledDraftingRound
-from hf_chainflow.search import DraftBatch, committed_tails
-from hf_chainflow.settings import SearchSettings, SpeculativeSettings
+from hf_chainflow.generation.drafting_round import compare_drafts, drafting_round, CompiledDraftingRound
+from hf_chainflow.generation.search import DraftBatch, committed_tails
+from hf_chainflow.generation.settings import SearchSettings, SpeculativeSettings
 from hf_chainflow.targets import load_target
 from windows import held_out_windows
 

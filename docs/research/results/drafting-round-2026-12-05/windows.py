@@ -1,7 +1,7 @@
 """The held-out windows of `examples/check_compiled_round.py`, in its order (shared by `setups.py` and `partings.py`)."""
 import torch
 
-from hf_chainflow.corpus import ResponseCorpus
+from hf_chainflow.training.corpus import ResponseCorpus
 
 
 def held_out_windows(target, context_size: int, limit: int):

@@ -2,12 +2,12 @@ import sys, json, time, tempfile, torch
 torch.set_num_threads(1)
 from transformers import AutoModel
 from hf_chainflow.targets import load_model_and_tokenizer
-from hf_chainflow.corpus import ResponseCorpus
-from hf_chainflow.data import prepare
-from hf_chainflow.dflash import dflash_block_logits
-from hf_chainflow.dflash_data import DFlashWindowDataset
-from hf_chainflow.dflash_trainer import evaluate_dflash_offline
-from hf_chainflow.losses import block_acceptance_lengths
+from hf_chainflow.training.corpus import ResponseCorpus
+from hf_chainflow.training.data import prepare
+from hf_chainflow.training.dflash import dflash_block_logits
+from hf_chainflow.training.dflash_data import DFlashWindowDataset
+from hf_chainflow.training.dflash_trainer import evaluate_dflash_offline
+from hf_chainflow.training.losses import block_acceptance_lengths
 
 N = int(sys.argv[1])
 target, tok = load_model_and_tokenizer('smollm2-135m-instruct')

@@ -2,7 +2,7 @@ import json, time, torch
 torch.set_num_threads(1)
 from transformers import AutoModel
 from hf_chainflow.targets import load_model_and_tokenizer
-from hf_chainflow.corpus import ResponseCorpus
+from hf_chainflow.training.corpus import ResponseCorpus
 target, tok = load_model_and_tokenizer('smollm2-135m-instruct')
 drafter = AutoModel.from_pretrained('/work/runs/levers/DF1', dtype=torch.float32).eval()
 corpus = ResponseCorpus('/work/wt-dflash/corpus/smollm2-135m-instruct')

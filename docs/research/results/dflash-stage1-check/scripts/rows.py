@@ -1,5 +1,5 @@
 import hashlib, json, random
-from hf_chainflow.corpus import ResponseCorpus
+from hf_chainflow.training.corpus import ResponseCorpus
 c = ResponseCorpus('/work/wt-dflash/corpus/smollm2-135m-instruct')
 resp = c.responses('train')
 ids = list(resp)
