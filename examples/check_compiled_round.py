@@ -7,8 +7,8 @@ the target (prompt + response, the target's own greedy continuation), and every 
 `C` states is one window (its last `C` states, its committed tokens). For each window the drafter's own tree
 (`generation_config`: shape, budget, flow steps; `--mode chain`: its chain of `num_assistant_tokens`) is drafted three
 ways: eagerly with the velocity network's own expert-by-expert forward and the head products unpacked (`F.linear`;
-the reference), eagerly as served (the experts stacked, `ChainFlowDrafter.serving_velocity`; the head products
-packed, `hf_chainflow.generation.packed_linear.PackedLinear`) and compiled. The verdicts of
+the reference), eagerly as served (the experts stacked, `hf_chainflow.generation.serving.serving_velocity`; the head
+products packed, `hf_chainflow.generation.packed_linear.PackedLinear`) and compiled. The verdicts of
 `hf_chainflow.generation.drafting_round.compare_drafts` against the reference are counted (same / near-tie within 1e-3 /
 different), with the largest log-probability gap among identical drafts and the per-round times, interleaved.
 """
@@ -21,6 +21,7 @@ import torch
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.training.corpus import ResponseCorpus
 from hf_chainflow.generation.drafting_round import compare_drafts, drafting_round
 from hf_chainflow.generation.search import DraftBatch, committed_tails
@@ -45,7 +46,7 @@ def main():
         settings = settings.replace(mode=args.mode)
     kwargs = settings.draft_kwargs(10 ** 6)
     with torch.inference_mode():
-        warm = drafter.warm_up_drafting(settings)
+        warm = drafting.warm_up_drafting(drafter, settings)
     C, p, pad = drafter.context_size, drafter.config.path_order, drafter.config.pad_token_id or 0
     search = SearchSettings(**{k: v for k, v in kwargs.items() if k != "num_flow_steps"},
                             max_depth=drafter.max_draft_depth)
@@ -60,14 +61,14 @@ def main():
                 states, committed = h[:, t - C + 1: t + 1], ids[:, : t + 2]
                 start = time.perf_counter()
                 # the module's forward, the head products unpacked (`F.linear`)
-                tables = drafter.serving_tables()._replace(velocity=drafter.velocity, head_linear=None,
-                                                           folded_linear=None)
+                tables = serving.serving_tables(drafter)._replace(velocity=drafter.velocity, head_linear=None,
+                                                                  folded_linear=None)
                 want = DraftBatch(*drafting_round(drafter, tables, states, committed_tails(committed, p, pad), search,
                                                   kwargs["num_flow_steps"])).tree(0)
                 times["reference"].append(time.perf_counter() - start)
                 for arm in ("eager", "compiled"):
                     start = time.perf_counter()
-                    got = drafter.draft(states, committed, **kwargs, compile=arm == "compiled")
+                    got = drafting.draft(drafter, states, committed, **kwargs, compile=arm == "compiled")
                     times[arm].append(time.perf_counter() - start)
                     verdict = compare_drafts(want, got)
                     counts[arm][verdict] += 1
@@ -82,7 +83,7 @@ def main():
              if kwargs["mode"] == "tree" else f"chain {kwargs['num_tokens']}")
     print(f"{done} windows, {shape}, against the eager round with the experts' module forward: eager (stacked) "
           f"{counts['eager']}, compiled {counts['compiled']}; largest logprob gap among same drafts {gap:.2e}")
-    print(f"compile (warm-up, {len(drafter.compiled_round.keys)} shapes) {warm:.1f} s; per round "
+    print(f"compile (warm-up, {len(drafting.compiled_round(drafter).keys)} shapes) {warm:.1f} s; per round "
           + ", ".join(f"{arm} {1e3 * statistics.median(s):.2f} ms" for arm, s in times.items())
           + f" (medians, interleaved, {args.threads} thread(s))")
 

@@ -25,10 +25,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.training.adapters import add_language_adapter, lora_config
-from hf_chainflow.training.data import ChainFlowWindowDataset, prepare
+from hf_chainflow.training.windows import ChainFlowWindowDataset
+from hf_chainflow.training.prepare import prepare
 from hf_chainflow.training.evaluation import evaluate_offline
 from hf_chainflow.targets import KNOWN_TARGETS, load_target
-from hf_chainflow.training.trainer import ChainFlowTrainer, adaptation_arguments
+from hf_chainflow.training.trainer import ChainFlowTrainer
+from hf_chainflow.training.adaptation import adaptation_arguments
 
 
 def main(target: str, drafter: str, language: str, prompts, heldout_prompts, out: str, *, rank: int = 8,

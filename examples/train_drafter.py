@@ -22,10 +22,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
-from hf_chainflow.training.data import ChainFlowWindowDataset, prepare, read_shortlist, state_statistics
+from hf_chainflow.training.windows import ChainFlowWindowDataset
+from hf_chainflow.training.prepare import prepare
+from hf_chainflow.training.prepared_data import read_shortlist, state_statistics
 from hf_chainflow.training.evaluation import evaluate_offline
 from hf_chainflow.targets import KNOWN_TARGETS, load_target
-from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
+from hf_chainflow.training.trainer import ChainFlowTrainer
+from hf_chainflow.training.arguments import ChainFlowTrainingArguments
 
 
 def main(target: str, prompts, heldout_prompts, out: str, *, max_new_tokens: int = 256,

@@ -31,10 +31,10 @@ _EXPORTS = {
     "SpeculativeStats": "generation.stats",
     "speculative_generate": "generation.loop",
     "ChainFlowTrainer": "training.trainer",
-    "ChainFlowTrainingArguments": "training.trainer",
-    "ReplayMixDataset": "training.trainer",
-    "ChainFlowWindowDataset": "training.data",
-    "prepare": "training.data",
+    "ChainFlowTrainingArguments": "training.arguments",
+    "ReplayMixDataset": "training.replay",
+    "ChainFlowWindowDataset": "training.windows",
+    "prepare": "training.prepare",
     "evaluate_offline": "training.evaluation",
     "add_language_adapter": "training.adapters",
     "load_language_adapter": "training.adapters",
@@ -51,19 +51,29 @@ __all__ = sorted(_EXPORTS)
 
 # Modules whose import installs the hook: those that define drafters or their config, and the hook's own module.
 _HOOK_MODULES = ("hf_chainflow.models.chainflow.modeling_chainflow",
-                 "hf_chainflow.models.chainflow.configuration_chainflow", "hf_chainflow.testing",
-                 "hf_chainflow.generation.hook")
-# The packages on the way to them (each watched like this one).
-_WATCHED_PACKAGES = ("hf_chainflow.models", "hf_chainflow.models.chainflow", "hf_chainflow.generation")
+                 "hf_chainflow.models.chainflow.configuration_chainflow", "hf_chainflow.generation.hook")
+_pending = False  # a hook module (or a public name) was imported; the hook is installed once no import is running
+
+
+def _importing() -> bool:
+    """Whether a module of this package is still running its import (it is in `sys.modules` but not yet bound on its
+    package, which the import system does when it is done)."""
+    for name, module in list(sys.modules.items()):
+        parent, _, leaf = name.rpartition(".")
+        if parent.startswith(__name__) and module is not None and leaf not in vars(sys.modules.get(parent, module)):
+            return True
+    return False
 
 
 def _install_hook() -> None:
     """Install the `generate` hook (idempotent) and register the `chainflow` model type (`modeling_chainflow`
-    registers it with `AutoConfig`/`AutoModel` when imported)."""
-    for name in ("hf_chainflow.models.chainflow.modeling_chainflow", "hf_chainflow.generation.hook"):
-        parent, _, leaf = name.rpartition(".")
-        if name in sys.modules and not hasattr(sys.modules.get(parent), leaf):
-            return  # still being imported: the import system binds it on its package when done, which calls again
+    registers it with `AutoConfig`/`AutoModel` when imported), as soon as no import of this package is running (an
+    import nested in another one waits for the outermost, whose completion calls again)."""
+    global _pending
+    _pending = True
+    if _importing():
+        return
+    _pending = False
     from hf_chainflow.generation import hook
     from hf_chainflow.models.chainflow import modeling_chainflow  # noqa: F401  (the registration)
 
@@ -74,13 +84,12 @@ class _Package(types.ModuleType):
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         # The import system binds each submodule on its package once the submodule has run (Python's import docs,
-        # "Submodules"): this sees every import of a hook module, by whichever path. The packages on the way to
-        # one are watched the same way (each is bound on its parent before its own submodules are imported).
-        if isinstance(value, types.ModuleType):
-            full = f"{self.__name__}.{name}"
-            if full in _WATCHED_PACKAGES and type(value) is types.ModuleType:
+        # "Submodules"): this sees every import of a hook module, by whichever path, and the end of every import
+        # (subpackages are watched the same way: each is bound on its parent before its submodules are imported).
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}":
+            if hasattr(value, "__path__") and type(value) is types.ModuleType:
                 value.__class__ = _Package
-            if full in _HOOK_MODULES:
+            if value.__name__ in _HOOK_MODULES or _pending:
                 _install_hook()
 
 

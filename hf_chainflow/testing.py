@@ -1,6 +1,12 @@
 """Targets and test doubles for tests, examples and benchmarks.
 
 - `tiny_target(family)`: tiny random Llama / Qwen3 / Qwen3.5-hybrid causal LMs built in-process (no download).
+- `OracleDrafter(target, error_rate)`: a drafter that drafts the target's own greedy continuation, corrupted at a
+  given rate (high acceptance: long accepted paths get exercised).
+
+Importing this module changes nothing else: `tiny_target` is a plain transformers model. The `generate` hook
+(`hf_chainflow.generation.hook.install`) is installed when an `OracleDrafter` is made, the first thing that needs it
+(as a `ChainFlowDrafter` installs it when its module is imported).
 """
 
 from __future__ import annotations
@@ -79,17 +85,26 @@ class OracleDrafter:
       and `q` is reported in `DraftTree.draft_probs` (so rejection sampling stays exact);
     - tree mode: the (corrupted) true path hidden among random siblings, nodes shuffled within each level.
 
-    `draft` ignores the hidden states: it only needs the committed tokens.
+    `draft` ignores the hidden states: it only needs the committed tokens. Running ahead `n` tokens from a prefix, it
+    runs `2n + 1` and remembers the continuation for the prefix and for each prefix along it (the target's own greedy
+    path, which a greedy call commits), up to `MEMO_SIZE` prefixes, forgotten when the target's weights change: the
+    next rounds of a greedy call, and the thousands of calls of a sampling test over a few prompts, do not each run the
+    target ahead again.
     """
 
     is_chainflow_drafter = True
     context_size = 1
     max_draft_depth = 64
+    MEMO_SIZE = 4096
 
     def __init__(self, target: PreTrainedModel, error_rate: float = 0.0, seed: int = 0):
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError(f"`error_rate` must lie in [0, 1], got {error_rate!r}.")
         from transformers import GenerationConfig
+
+        from hf_chainflow.generation import hook
+
+        hook.install()  # `target.generate(..., assistant_model=oracle)` routes to hf_chainflow (idempotent)
 
         self.target = target
         self.config = target.config
@@ -100,6 +115,8 @@ class OracleDrafter:
                                                   draft_mode="chain", tree_width=8, tree_depth=4,
                                                   tree_budget=None)
         self.last_stats = None
+        self._memo: dict[tuple[int, ...], list[int]] = {}  # committed prefix -> its greedy continuation so far
+        self._memo_weights = None
 
     def check_target(self, target) -> None:
         if target is not self.target:
@@ -112,12 +129,29 @@ class OracleDrafter:
         other = int(torch.randint(0, self.vocab_size - 1, (), generator=self.generator))
         return other + (other >= token)
 
+    def _weights(self) -> tuple:
+        """Where the target's parameters live and their in-place version counters: changes when any is written."""
+        return tuple((p.data_ptr(), p._version) for p in self.target.parameters())
+
     def _continuation(self, input_ids: torch.LongTensor, n: int) -> list[int]:
-        ids = input_ids.to(self.target.device)
-        with torch.no_grad():
-            out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                       do_sample=False, eos_token_id=None, pad_token_id=0, stop_strings=None)
-        return out[0, ids.shape[1]:].tolist()
+        weights = self._weights()
+        if weights != self._memo_weights or len(self._memo) >= self.MEMO_SIZE:
+            self._memo, self._memo_weights = {}, weights
+        prefix = input_ids.reshape(-1).tolist()
+        known = self._memo.get(tuple(prefix))
+        if known is None or len(known) < n:  # greedy: a longer continuation starts with the shorter one
+            ids = input_ids.to(self.target.device)
+            m = 2 * n + 1
+            with torch.no_grad():
+                out = self.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m,
+                                           min_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                           stop_strings=None)
+            known = out[0, ids.shape[1]:].tolist()
+            for k in range(len(known)):  # the prefix extended by k tokens of its own continuation: the rest
+                key = tuple(prefix + known[:k])
+                if len(self._memo.get(key, ())) < len(known) - k:
+                    self._memo[key] = known[k:]
+        return known[:n]
 
     def draft(self, hidden_states, input_ids, *, mode="chain", num_tokens=3, tree_width=8, tree_depth=4,
               tree_budget=None, num_flow_steps=None, do_sample=False, temperature=1.0):

@@ -208,7 +208,7 @@ def _by(cells: dict, part: int) -> dict:
 
 def _machine() -> str:
     try:
-        from hf_chainflow.training.corpus import describe_machine
+        from hf_chainflow.machine import describe_machine
 
         return describe_machine()
     except Exception as err:  # the record still lands; say why the machine is missing

@@ -1,6 +1,6 @@
 """Training windows built directly from a tiny target's own forward pass (no data pipeline), for unit tests.
 
-Same alignment as `hf_chainflow.training.data`: anchor `t`, context `h[t-C+1..t]` (zero-left-padded), targets `h[t+1..t+K]`,
+Same alignment as `hf_chainflow.training.prepared_data`: anchor `t`, context `h[t-C+1..t]` (zero-left-padded), targets `h[t+1..t+K]`,
 tokens `x[t+2..t+K+1]`, parents `prev_tokens = x[t+2-p..t+K]` (pad outside the sequence).
 """
 

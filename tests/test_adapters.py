@@ -5,10 +5,12 @@ import torch
 from peft import PeftModel
 
 from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.training.adapters import add_language_adapter, load_language_adapter, lora_config
 from hf_chainflow.training.evaluation import draft_chains
 from hf_chainflow.testing import tiny_target
-from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, unwrap_drafter
+from hf_chainflow.training.trainer import ChainFlowTrainer, unwrap_drafter
+from hf_chainflow.training.arguments import ChainFlowTrainingArguments
 
 from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
 
@@ -65,9 +67,9 @@ def test_lora_adapter_trains_saves_reloads_switches_and_leaves_the_base_alone(se
     tr_chains = chains(model, windows)
     assert not torch.equal(tr_chains, base_chains)  # the adapter changes the drafts
     # LoRA wraps `path_head.out`: serving must not use the fold of the base weights, and the search still runs
-    assert unwrap_drafter(model).serving_feedback_weight() is None
+    assert serving.serving_feedback_weight(unwrap_drafter(model)) is None
     w = windows[0]
-    tree = unwrap_drafter(model).draft(w["context_states"][None], w["prev_tokens"][None], mode="tree",
+    tree = drafting.draft(unwrap_drafter(model), w["context_states"][None], w["prev_tokens"][None], mode="tree",
                                        tree_width=4, tree_depth=3, tree_budget=6)
     assert tree.num_nodes == 6
     with model.disable_adapter():
@@ -93,7 +95,7 @@ def test_lora_adapter_trains_saves_reloads_switches_and_leaves_the_base_alone(se
     for k, v in unloaded.state_dict().items():
         assert torch.equal(v, base_state[k]), k
     assert torch.equal(chains(unloaded, windows), base_chains)
-    assert unloaded.serving_feedback_weight() is not None  # plain layers again: the fold is back
+    assert serving.serving_feedback_weight(unloaded) is not None  # plain layers again: the fold is back
 
     # Reload the saved adapter onto a freshly loaded base: the same drafts as after training.
     fresh = ChainFlowDrafter.from_pretrained(base_dir, target=target)

@@ -24,6 +24,7 @@ from hf_chainflow.bench import (
 )
 from hf_chainflow.bench.defaults import PADDED_FLOAT32_TIE_TOLERANCE
 from hf_chainflow.commands.bench import _parse_extra_drafters, _parse_tree
+from hf_chainflow.generation import drafting
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
 from _fixtures import save_with_tokenizer
@@ -527,7 +528,7 @@ def test_warm_up_arms_records_the_drafting_setup():
     record = warm_up_arms(arms, {"chainflow": {"float32": drafter}}, False)
     assert record == {"chainflow": {"compile_drafting": False, "dtype": "float32",
                                     "serving_head_dtype": drafter.config.serving_head_dtype, "compile_seconds": 0.0}}
-    assert drafter.generation_config.compile_drafting is False and drafter.compiled_round is None
+    assert drafter.generation_config.compile_drafting is False and drafting.compiled_round(drafter) is None
     with pytest.raises(ValueError, match="compile_drafting"):
         warm_up_arms(arms, {"chainflow": {"float32": drafter}}, "yes")
 

@@ -167,7 +167,7 @@ def test_bench_names_the_clash_of_arms_and_no_default_drafter(tmp_path):
 
 def test_jsonl_errors_name_the_file_and_line(tmp_path):
     from hf_chainflow.bench.prompts import load_prompts as bench_prompts
-    from hf_chainflow.training.data import load_prompts
+    from hf_chainflow.training.prompts import load_prompts
 
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"id": "a", "domain": "qa", "prompt": "hi"}\n\nnot json\n')
@@ -180,11 +180,11 @@ def test_jsonl_errors_name_the_file_and_line(tmp_path):
 
 
 def test_prepare_refuses_empty_inputs_before_writing(tmp_path):
-    from hf_chainflow.training.data import prepare
+    from hf_chainflow.training.prepare import prepare
 
     with pytest.raises(ValueError, match="no rows to prepare"):
         prepare(None, None, tmp_path / "out", prompts=[])
-    with pytest.raises(ValueError, match=r"`limit` must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match=r"`limit` must be a positive integer or None, got 0"):
         prepare(None, None, tmp_path / "out", prompts=[], limit=0)
     assert not (tmp_path / "out").exists()
 

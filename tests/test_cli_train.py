@@ -120,7 +120,7 @@ def test_state_statistics_come_from_the_training_shards(tmp_path):
 
     from safetensors.torch import save_file
 
-    from hf_chainflow.training.data import MANIFEST, shard_path, state_statistics
+    from hf_chainflow.training.prepared_data import MANIFEST, shard_path, state_statistics
 
     shard_path(tmp_path, 0).parent.mkdir(parents=True)
     for shard, value in ((0, 1.0), (1, 5.0), (2, 9.0)):

@@ -10,9 +10,12 @@ import datasets
 import pytest
 import torch
 
-from hf_chainflow.training.corpus import (COLUMNS, GenerationSettings, ResponseCorpus, generate_into_corpus,
-                                 read_prompt_source, select_prompts)
-from hf_chainflow.training.data import ChainFlowWindowDataset, iter_sequences, prepare
+from hf_chainflow.training.corpus import COLUMNS, GenerationSettings, ResponseCorpus
+from hf_chainflow.training.responses import generate_into_corpus
+from hf_chainflow.training.prompts import read_prompt_source, select_prompts
+from hf_chainflow.training.windows import ChainFlowWindowDataset
+from hf_chainflow.training.prepared_data import iter_sequences
+from hf_chainflow.training.prepare import prepare
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 

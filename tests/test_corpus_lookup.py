@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowDrafter, ContinuationTable
+from hf_chainflow.generation import drafting
 from hf_chainflow.generation.corpus_lookup import pack_ngrams, token_bits
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
 
@@ -73,7 +74,7 @@ def test_a_drafter_saves_and_loads_its_table(tmp_path):
     target = tiny_target("llama")
     drafter = random_drafter(target)
     table = ContinuationTable.build([[5, 6, 7, 8, 9]] * 2 + [[5, 6, 1]], vocab_size=256, max_ngram=3)
-    drafter.set_continuation_table(table)
+    drafting.set_continuation_table(drafter, table)
     drafter.generation_config.corpus_lookup_num_tokens = 4
     drafter.save_pretrained(tmp_path / "with")
     tensors = load_file(tmp_path / "with" / "model.safetensors")
@@ -84,18 +85,18 @@ def test_a_drafter_saves_and_loads_its_table(tmp_path):
     assert (config["continuation_table_size"], config["continuation_min_ngram"], config["continuation_max_ngram"]) \
         == (len(table), 2, 3)
     loaded = ChainFlowDrafter.from_pretrained(tmp_path / "with", target=target)
-    assert torch.equal(loaded.continuation_table.keys, table.keys)
-    assert loaded.continuation_table.propose(torch.tensor([5, 6]), 3).tolist() == [7, 8, 9]
+    assert torch.equal(drafting.continuation_table(loaded).keys, table.keys)
+    assert drafting.continuation_table(loaded).propose(torch.tensor([5, 6]), 3).tolist() == [7, 8, 9]
     assert loaded.generation_config.corpus_lookup_num_tokens == 4
     loaded.half()  # integer buffers keep their dtype
     assert loaded.continuation_keys.dtype == torch.int64 and loaded.continuation_next_tokens.dtype == torch.int32
 
-    drafter.set_continuation_table(None)  # removed: saved without the buffers, loads as a drafter without a table
+    drafting.set_continuation_table(drafter, None)  # removed: saved without the buffers, loads without a table
     drafter.generation_config.corpus_lookup_num_tokens = None
     drafter.save_pretrained(tmp_path / "without")
     assert not any(k.startswith("continuation_") for k in load_file(tmp_path / "without" / "model.safetensors"))
     plain, info = ChainFlowDrafter.from_pretrained(tmp_path / "without", target=target, output_loading_info=True)
-    assert plain.continuation_table is None and plain.config.continuation_table_size == 0
+    assert drafting.continuation_table(plain) is None and plain.config.continuation_table_size == 0
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
@@ -103,13 +104,14 @@ def test_set_continuation_table_refusals_leave_the_drafter_unchanged():
     target = tiny_target("llama")
     drafter = random_drafter(target)
     table = ContinuationTable.build([[1, 2, 3]] * 2, vocab_size=256)
-    drafter.set_continuation_table(table)
+    drafting.set_continuation_table(drafter, table)
     for bad, match in ((ContinuationTable.build([[1, 2, 3]] * 2, vocab_size=300), "300-token vocabulary"),
                        (ContinuationTable.build([[1, 2, 3]], vocab_size=256), "`table` is empty"),
                        ({"keys": table.keys}, "must be a `hf_chainflow.ContinuationTable` or None, got dict")):
         with pytest.raises(ValueError, match=match):
-            drafter.set_continuation_table(bad)
-        assert drafter.continuation_table.keys is table.keys and drafter.config.continuation_table_size == len(table)
+            drafting.set_continuation_table(drafter, bad)
+        assert drafting.continuation_table(drafter).keys is table.keys
+        assert drafter.config.continuation_table_size == len(table)
 
 
 def test_corpus_lookup_needs_a_table_and_a_positive_length():
@@ -120,7 +122,7 @@ def test_corpus_lookup_needs_a_table_and_a_positive_length():
     with pytest.raises(ValueError, match=r"`drafter.generation_config.corpus_lookup_num_tokens` is 4, but this drafter "
                                          r"holds no corpus-lookup table"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter)
-    drafter.set_continuation_table(ContinuationTable.build([[1, 2, 3]] * 2, vocab_size=256))
+    drafting.set_continuation_table(drafter, ContinuationTable.build([[1, 2, 3]] * 2, vocab_size=256))
     drafter.generation_config.corpus_lookup_num_tokens = 0
     with pytest.raises(ValueError, match=r"`drafter.generation_config.corpus_lookup_num_tokens` must be a positive "
                                          r"integer or None \(off\), got 0"):
@@ -145,9 +147,9 @@ def family_setup(request):
 
 
 def _drafters(target, table):
-    chainflow = random_drafter(target).set_continuation_table(table)
+    chainflow = drafting.set_continuation_table(random_drafter(target), table)
     oracle = OracleDrafter(target, error_rate=0.5, seed=1)
-    oracle.continuation_table = table  # the loop reads `drafter.continuation_table`
+    oracle.continuation_table = table  # the loop reads `drafting.continuation_table(drafter)`
     return chainflow, oracle
 
 
@@ -208,7 +210,8 @@ def test_the_command_adds_a_table_to_a_saved_drafter_in_its_dtype(tmp_path):
     from hf_chainflow.training.corpus import ResponseCorpus
 
     header = ResponseCorpus(corpus).table("heldout", ["prompt_ids"]).column("prompt_ids")[0].as_py()[-4:]
-    assert drafter.continuation_table.propose(torch.tensor(header), 3) is not None  # the assistant header: counted
+    # the assistant header: counted
+    assert drafting.continuation_table(drafter).propose(torch.tensor(header), 3) is not None
 
 
 def test_the_command_refuses_a_folder_that_is_no_corpus(tmp_path):

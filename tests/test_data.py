@@ -6,8 +6,12 @@ import pickle
 import pytest
 import torch
 
-from hf_chainflow.training import data
-from hf_chainflow.training.data import ChainFlowWindowDataset, collate, iter_sequences, prepare, read_manifest, read_shortlist
+import hf_chainflow.training.prepare as preparing
+from hf_chainflow.training.windows import ChainFlowWindowDataset, collate
+from hf_chainflow.training.prepared_data import MANIFEST, iter_sequences, read_manifest, read_shortlist, shard_path
+from hf_chainflow.training.prepare import prepare
+from hf_chainflow.training.prompts import chat_prompt_ids, load_prompts
+from hf_chainflow.training.responses import cut_response
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 
@@ -48,7 +52,7 @@ def test_prepare_outputs_greedy_responses_and_aligned_states(prepared, model, to
     seqs = list(iter_sequences(prepared))
     assert sorted(s["id"] for s in seqs) == sorted(rows)
     for s in seqs:
-        prompt_ids = data.chat_prompt_ids(tok, rows[s["id"]]["prompt"])  # multi-turn rows: first user turn
+        prompt_ids = chat_prompt_ids(tok, rows[s["id"]]["prompt"])  # multi-turn rows: first user turn
         full = torch.tensor(prompt_ids + s["tokens"][s["response_start"]:].tolist())
         rs, length = s["response_start"], s["length"]
         assert rs == 16 and s["prompt_len"] == len(prompt_ids) and length == 16 + s["response_len"]
@@ -63,7 +67,7 @@ def test_prepare_outputs_greedy_responses_and_aligned_states(prepared, model, to
         assert ref.logits[0, len(prompt_ids) - 1:-1].argmax(-1).tolist() == s["tokens"][rs:].tolist()
     # batched left-padded generation equals a plain greedy generate of one prompt
     one = seqs[0]
-    ids = torch.tensor([data.chat_prompt_ids(tok, rows[one["id"]]["prompt"])])
+    ids = torch.tensor([chat_prompt_ids(tok, rows[one["id"]]["prompt"])])
     plain = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:]
     assert plain.tolist()[: one["response_len"]] == one["tokens"][16:].tolist()
 
@@ -125,11 +129,11 @@ def test_window_subsample_shuffle_and_pickle(prepared):
     assert {m["shard"] for m in only.sequences} == {1}
     with pytest.raises(ValueError, match="not finished"):
         ChainFlowWindowDataset(prepared, shards=[7])
-    for kwargs, needle in ((dict(max_windows=0), r"`max_windows` must be a positive int or None"),
+    for kwargs, needle in ((dict(max_windows=0), r"`max_windows` must be a positive integer or None"),
                            (dict(max_windows=True), "`max_windows`"), (dict(shards=[]), r"non-empty list of ints"),
                            (dict(shards=[True]), "`shards`"), (dict(shards=0), "`shards`"),
                            (dict(domains="math"), r"`domains` must be None \(all\) or a non-empty list of strs"),
-                           (dict(context_len=True), r"`context_len` must be a positive int, got True")):
+                           (dict(context_len=True), r"`context_len` must be a positive integer, got True")):
         with pytest.raises(ValueError, match=needle):
             ChainFlowWindowDataset(prepared, **kwargs)
 
@@ -167,7 +171,8 @@ def test_windows_that_do_not_fit_the_drafter_are_refused(prepared, model, tmp_pa
             evaluate(drafter, other_p, progress=False)
     with pytest.raises(ValueError, match="do not fit this drafter"):  # inside a Subset too
         evaluate_offline(drafter, torch.utils.data.Subset(other_p, range(4)), progress=False)
-    from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
+    from hf_chainflow.training.trainer import ChainFlowTrainer
+    from hf_chainflow.training.arguments import ChainFlowTrainingArguments
 
     args = ChainFlowTrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
     for kwargs in (dict(train_dataset=other_p), dict(train_dataset=fits, eval_dataset={"held": other_p})):
@@ -203,7 +208,7 @@ def test_killed_prepare_resumes_without_redoing_shards(tmp_path, model, tok):
     with pytest.raises(KeyboardInterrupt):
         prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
                 shard_size=2, on_shard_done=killer, progress=False)
-    shard0 = data.shard_path(tmp_path, 0)
+    shard0 = shard_path(tmp_path, 0)
     assert read_manifest(tmp_path)["finished"] == [0] and done == [0]
     mtime = shard0.stat().st_mtime_ns
     prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32, shard_size=2,
@@ -214,7 +219,7 @@ def test_killed_prepare_resumes_without_redoing_shards(tmp_path, model, tok):
     assert done == [0, 1, 2] and shard0.stat().st_mtime_ns == mtime
     assert not list((tmp_path / "shards").glob(".*"))  # no temp files left
     # a shard file deleted behind the manifest's back is redone, not silently skipped
-    data.shard_path(tmp_path, 1).unlink()
+    shard_path(tmp_path, 1).unlink()
     with pytest.raises(ValueError, match="is missing"):
         ChainFlowWindowDataset(tmp_path)
     with pytest.warns(UserWarning, match=r"shards \[1\] whose files are missing"):
@@ -235,26 +240,26 @@ def test_killed_prepare_resumes_without_redoing_shards(tmp_path, model, tok):
     # a manifest written before `inputs_sha256` existed is still resumed by its ids
     manifest = read_manifest(tmp_path)
     del manifest["inputs_sha256"]
-    (tmp_path / data.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
             shard_size=2, progress=False)
 
 
 def test_kill_between_generation_and_shard_reuses_generated_responses(tmp_path, model, tok, monkeypatch):
     rows = _prompt_rows()[:3]
-    write_shard = data._write_shard
+    write_shard = preparing._write_shard
 
     def dies(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "_write_shard", dies)
+    monkeypatch.setattr(preparing, "_write_shard", dies)
     with pytest.raises(KeyboardInterrupt):
         prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
                 shard_size=8, progress=False)
     assert (tmp_path / "responses" / "shard-00000.jsonl").is_file() and read_manifest(tmp_path)["finished"] == []
     calls = []
-    monkeypatch.setattr(data, "_write_shard", write_shard)
-    monkeypatch.setattr(data, "generate_responses", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(preparing, "_write_shard", write_shard)
+    monkeypatch.setattr(preparing, "generate_responses", lambda *a, **k: calls.append(1))
     prepare(model, tok, tmp_path, prompts=rows, max_new_tokens=NEW, generation_dtype=torch.float32,
             shard_size=8, progress=False)
     assert calls == [] and read_manifest(tmp_path)["finished"] == [0]
@@ -279,7 +284,7 @@ def test_prepare_restores_the_models_training_flag(tmp_path, tok):
 
 def test_supplied_responses_skip_generation(tmp_path, model, tok):
     rows = _prompt_rows()[:3]
-    given = {"id": rows[0]["id"], "prompt_ids": data.chat_prompt_ids(tok, rows[0]["prompt"]),
+    given = {"id": rows[0]["id"], "prompt_ids": chat_prompt_ids(tok, rows[0]["prompt"]),
              "response_ids": [100, 200, 300, 2], "finish": "eos"}
     prepare(model, tok, tmp_path, prompts=rows, responses={given["id"]: given}, max_new_tokens=NEW,
             generation_dtype=torch.float32, shard_size=8, progress=False)
@@ -302,8 +307,8 @@ def test_bad_prepare_arguments_are_refused_before_anything_is_written(tmp_path, 
         (dict(prompts=rows, generation_dtype="float32"), r"`generation_dtype` must be a floating torch dtype"),
         (dict(prompts=rows, generation_dtype=torch.int64), r"`generation_dtype` must be a floating torch dtype"),
         (dict(prompts=rows, on_shard_done="x"), r"`on_shard_done` must be a callable"),
-        (dict(prompts=rows, limit=True), r"`limit` must be a positive int or None, got True"),
-        (dict(prompts=rows, batch_size=True), r"`batch_size` must be a positive int, got True"),
+        (dict(prompts=rows, limit=True), r"`limit` must be a positive integer or None, got True"),
+        (dict(prompts=rows, batch_size=True), r"`batch_size` must be a positive integer, got True"),
         (dict(prompts=rows, shuffle_seed=1.5), r"`shuffle_seed` must be an int"),
         (dict(responses=[given, given]), r"Response id .* occurs twice"),
         (dict(responses=[dict(given, response_ids=[7, -1])]), r"`response_ids` must be a list of token ids"),
@@ -323,13 +328,13 @@ def test_prompts_from_datasets_and_cut_response():
     from datasets import Dataset
 
     ds = Dataset.from_list([{"id": "a", "text": "hi", "domain": "chat"}, {"id": "b", "text": "yo"}])
-    rows = data.load_prompts(ds, prompt_column="text")
+    rows = load_prompts(ds, prompt_column="text")
     assert [(r["id"], r["prompt"], r["domain"], r["language"]) for r in rows] == [
         ("a", "hi", "chat", "unknown"), ("b", "yo", "unknown", "unknown")]
     with pytest.raises(ValueError, match="prompt_column"):
-        data.load_prompts(ds)
-    assert data.cut_response([5, 6, 2, 2, 2], [2]) == ([5, 6, 2], "eos")
-    assert data.cut_response([5, 6], [2]) == ([5, 6], "length")
+        load_prompts(ds)
+    assert cut_response([5, 6, 2, 2, 2], [2]) == ([5, 6, 2], "eos")
+    assert cut_response([5, 6], [2]) == ([5, 6], "length")
 
 
 def test_cli_prepare_on_a_local_model_dir(tmp_path, model, tok):

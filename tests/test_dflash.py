@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 from transformers import MuseGlimmerAssistantModel
 
 from hf_chainflow.bench import BenchPrompt, build_arms, run_bench
-from hf_chainflow.training.data import ChainFlowWindowDataset, prepare, read_shortlist
+from hf_chainflow.training.windows import ChainFlowWindowDataset
+from hf_chainflow.training.prepare import prepare
+from hf_chainflow.training.prepared_data import read_shortlist
 from hf_chainflow.training.dflash import (
     build_dflash_drafter,
     check_dflash_drafter,

@@ -28,8 +28,10 @@ def test_two_processes_stay_in_step(tiny_prepared):
         import hashlib, json, torch, torch.distributed as dist
         from transformers import AutoModelForCausalLM
         from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
-        from hf_chainflow.training.data import ChainFlowWindowDataset, read_shortlist, state_statistics
-        from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments
+        from hf_chainflow.training.windows import ChainFlowWindowDataset
+        from hf_chainflow.training.prepared_data import read_shortlist, state_statistics
+        from hf_chainflow.training.trainer import ChainFlowTrainer
+        from hf_chainflow.training.arguments import ChainFlowTrainingArguments
 
         torch.set_num_threads(1)
         target = AutoModelForCausalLM.from_pretrained("target").eval().requires_grad_(False)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.generation import drafting
 from hf_chainflow.generation.drafting_round import compare_drafts
 from hf_chainflow.testing import tiny_target
 
@@ -50,14 +51,15 @@ def test_the_compiled_round_drafts_what_the_eager_round_drafts(overrides):
             states = torch.randn(1, C, D, generator=gen) * 3.0
             committed = torch.randint(3, V, (1, 1 + (5 * w) % 13), generator=gen)
             for shape in shapes:
-                want = drafter.draft(states, committed, **shape, compile=False)
-                got = drafter.draft(states, committed, **shape, compile=True)
+                want = drafting.draft(drafter, states, committed, **shape, compile=False)
+                got = drafting.draft(drafter, states, committed, **shape, compile=True)
                 verdict = compare_drafts(want, got)
                 counts[verdict] += 1
                 if verdict == "same":
                     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
-    assert drafter.compiled_round is not None and len(drafter.compiled_round.keys) == len(shapes)
-    assert drafter.compiled_round.eager_reason is None
+    rounds = drafting.compiled_round(drafter)
+    assert rounds is not None and len(rounds.keys) == len(shapes)
+    assert rounds.eager_reason is None
     assert counts["different"] == 0, counts
     assert counts["same"] >= 0.95 * sum(counts.values()), counts
 
@@ -67,7 +69,7 @@ def test_compile_must_be_a_bool():
     drafter = _drafter(target)
     states = torch.randn(1, 8, drafter.config.target_hidden_size)
     with pytest.raises(ValueError, match="compile"):
-        drafter.draft(states, torch.tensor([[5, 6]]), compile="yes")
+        drafting.draft(drafter, states, torch.tensor([[5, 6]]), compile="yes")
 
 
 @pytest.mark.slow
@@ -88,8 +90,8 @@ def test_generate_with_the_compiled_round_equals_plain_generate(family):
             plain = target.generate(ids, **kwargs)
             speculative = target.generate(ids, **kwargs, assistant_model=drafter)
             assert torch.equal(speculative, plain), (family, mode, i)
-    assert drafter.compiled_round is not None and drafter.compiled_round.eager_reason is None
-    assert len(drafter.compiled_round.keys) >= 2  # both modes ran compiled
+    assert drafting.compiled_round(drafter) is not None and drafting.compiled_round(drafter).eager_reason is None
+    assert len(drafting.compiled_round(drafter).keys) >= 2  # both modes ran compiled
 
 
 @pytest.mark.slow
@@ -102,7 +104,7 @@ def test_more_keys_than_dynamos_recompile_limit_all_compile():
 
     target = tiny_target("llama", num_layers=2)
     drafter = _drafter(target)
-    drafter._compiled_round = CompiledDraftingRound(cpp_wrapper=False)  # the Python wrapper compiles sooner
+    drafter._runtime["compiled_round"] = CompiledDraftingRound(cpp_wrapper=False)  # the Python wrapper compiles sooner
     C, D = drafter.config.context_size, drafter.config.context_state_size
     limit = torch._dynamo.config.recompile_limit
     shapes = [dict(mode="tree", tree_width=w, tree_depth=2) for w in range(2, limit + 3)]
@@ -110,8 +112,8 @@ def test_more_keys_than_dynamos_recompile_limit_all_compile():
     before = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         for shape in shapes:
-            want = drafter.draft(states, committed, **shape, compile=False)
-            got = drafter.draft(states, committed, **shape, compile=True)
+            want = drafting.draft(drafter, states, committed, **shape, compile=False)
+            got = drafting.draft(drafter, states, committed, **shape, compile=True)
             assert compare_drafts(want, got) != "different", shape
-    assert len(drafter.compiled_round.keys) == len(shapes) > limit
+    assert len(drafting.compiled_round(drafter).keys) == len(shapes) > limit
     assert counters["stats"]["unique_graphs"] - before == len(shapes)

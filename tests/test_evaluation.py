@@ -25,6 +25,7 @@ from hf_chainflow.training.evaluation import (
     tree_matching_path,
     walk_rounds,
 )
+from hf_chainflow.generation import drafting
 from hf_chainflow.generation.search import DraftBatch
 from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.testing import tiny_target
@@ -117,7 +118,7 @@ def test_batched_trees_equal_the_serving_call(setup, budget):
         lengths = tree_accepted_lengths(drafts, batch["target_tokens"], batch["target_mask"])
         for i, w in enumerate(windows):
             states = w["context_states"][w["context_mask"]][None]
-            serving = drafter.draft(states, w["prev_tokens"][None, :8], **settings.draft_kwargs())
+            serving = drafting.draft(drafter, states, w["prev_tokens"][None, :8], **settings.draft_kwargs())
             assert torch.equal(drafts.tree(i).tokens, serving.tokens), i
             assert torch.equal(drafts.tree(i).parents, serving.parents), i
             assert int(lengths[i]) == tree_accepted_length(serving, w["target_tokens"], w["target_mask"]), i

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
-from hf_chainflow.training.data import ChainFlowWindowDataset, read_shortlist
+from hf_chainflow.training.windows import ChainFlowWindowDataset
+from hf_chainflow.training.prepared_data import read_shortlist
 from hf_chainflow.training.evaluation import evaluate_offline
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target

@@ -17,7 +17,9 @@ import datasets
 import pytest
 
 from hf_chainflow.commands import main
-from hf_chainflow.training.corpus import GenerationSettings, ResponseCorpus, generate_into_corpus, read_prompt_source
+from hf_chainflow.training.corpus import GenerationSettings, ResponseCorpus
+from hf_chainflow.training.responses import generate_into_corpus
+from hf_chainflow.training.prompts import read_prompt_source
 from hf_chainflow.fileio import FolderBusyError
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
@@ -259,7 +261,7 @@ def test_a_torn_corpus_json_is_refused_with_file_and_line(tmp_path, tok, saved_t
     assert f"corpus.json:{line}:" in message and "Restore it" in message
     info.write_text("")
     assert "corpus.json:1:1:" in _refusal(_cli(saved_target, prompts_file, corpus.path))
-    info.write_text(json.dumps({"format": "hf_chainflow.training.corpus/1", "target": "tiny"}))
+    info.write_text(json.dumps({"format": "hf_chainflow.corpus/1", "target": "tiny"}))
     with pytest.raises(ValueError, match=r"corpus.json: lacks \['vocab_size', 'tokenizer_sha256', 'selections'\]"):
         ResponseCorpus(corpus.path)
 
@@ -278,12 +280,12 @@ def test_a_read_only_corpus_is_refused_before_the_model_loads(tmp_path, tok, mod
     message = _refusal(_cli(saved_target, prompts_file, corpus.path))
     assert (f"`corpus` {str(corpus.path)!r} cannot be written: creating a file there failed (Read-only file system)"
             in message)
-    import hf_chainflow.training.data
+    import hf_chainflow.training.responses
 
     def no_batch(*args, **kwargs):
         raise AssertionError("a batch was generated before the read-only corpus was found")
 
-    monkeypatch.setattr(hf_chainflow.training.data, "generate_responses", no_batch)
+    monkeypatch.setattr(hf_chainflow.training.responses, "generate_responses", no_batch)
     with pytest.raises(ValueError, match="cannot be written"):
         generate_into_corpus(model, tok, _prompts(4), corpus, SETTINGS, progress=False)
 
@@ -314,7 +316,7 @@ def test_missing_or_empty_prompts(tmp_path, saved_target, no_model, monkeypatch)
 
 
 def test_a_cached_hub_dataset_is_not_refused_offline(tmp_path, monkeypatch):
-    from hf_chainflow.training.corpus import _dataset_in_cache
+    from hf_chainflow.training.prompts import _dataset_in_cache
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
     assert not _dataset_in_cache("someone/MyPrompts")

@@ -32,7 +32,8 @@ from transformers import Trainer
 import hf_chainflow.targets as targets
 import hf_chainflow.training.checkpointing as checkpointing
 from hf_chainflow.commands import main
-from hf_chainflow.training.data import prepare, read_manifest
+from hf_chainflow.training.prepare import prepare
+from hf_chainflow.training.prepared_data import read_manifest
 from hf_chainflow.fileio import CHECKPOINT_MARKER, TEMP_GLOB, is_complete_checkpoint, mark_checkpoint_complete
 
 from _fixtures import PROMPTS

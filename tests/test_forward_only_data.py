@@ -10,8 +10,10 @@ import torch
 
 from hf_chainflow import ChainFlowConfig
 from hf_chainflow.training.corpus import GenerationSettings, ResponseCorpus
-from hf_chainflow.training.data import (ChainFlowWindowDataset, check_windows_fit, iter_sequences, layer_statistics, prepare,
-                               read_manifest, read_shortlist, text_ids)
+from hf_chainflow.training.windows import ChainFlowWindowDataset, check_windows_fit
+from hf_chainflow.training.prepared_data import iter_sequences, layer_statistics, read_manifest, read_shortlist
+from hf_chainflow.training.prepare import prepare
+from hf_chainflow.training.prompts import text_ids
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 

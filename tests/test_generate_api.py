@@ -12,9 +12,11 @@ from transformers.generation.utils import GenerationMixin
 
 import hf_chainflow
 from hf_chainflow import ChainFlowCandidateGenerator, ChainFlowConfig, ChainFlowDrafter, ContinuationTable
+from hf_chainflow.generation import drafting
 from hf_chainflow.testing import OracleDrafter, tiny_target
 
 from _speculative import exact_pair_distribution
+from testing_common import tv_test
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +193,10 @@ def test_tau_counts_every_target_forward(family, mode, request):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
+# Without a corpus-lookup branch (q-sampled chains in transformers' loop and the own loop, trees, trees with a
+# prompt-lookup branch, on every family and drafter kind): the sampling cells of tests/test_equivalence_grid.py,
+# which run this check (`testing_common.check_sampling`).
 @pytest.mark.parametrize("family,drafter_kind,mode,lookup,corpus", [
-    ("llama", "chainflow", "chain", None, False),   # transformers' loop: q-sampled chain, min(1, p/q)
-    ("qwen3_5", "oracle", "chain", None, False),    # own loop (hybrid): the same rule
-    ("qwen3", "chainflow", "chain", None, False),   # transformers' loop on the third family
-    ("llama", "chainflow", "tree", None, False),    # own loop: greedy tree, children tried as fixed proposals
-    ("qwen3", "chainflow", "tree", 3, False),       # ... plus a prompt-lookup branch
-    ("qwen3_5", "oracle", "tree", 3, False),        # ... on the hybrid target
     ("llama", "chainflow", "chain", None, True),    # a greedy chain plus a corpus-lookup branch (own loop)
     ("qwen3", "chainflow", "tree", 3, True),        # tree, prompt- and corpus-lookup branches
     ("qwen3_5", "oracle", "tree", None, True),      # ... on the hybrid target
@@ -220,7 +219,7 @@ def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup, 
         if drafter_kind == "oracle":
             drafter.continuation_table = table
         else:
-            drafter.set_continuation_table(table)
+            drafting.set_continuation_table(drafter, table)
         g.corpus_lookup_num_tokens = 3
     prompt = torch.tensor([[3, 7, 5, 9, 3, 7]])  # "... 3 7" repeats: the lookup finds "5 9 ..."
     temperature, top_p = 0.8, 0.9
@@ -236,19 +235,12 @@ def test_sampling_keeps_target_distribution(family, drafter_kind, mode, lookup, 
         accepted += sum(drafter.last_stats.accepted)
         lookup_rounds += drafter.last_stats.lookup_rounds
         corpus_rounds += drafter.last_stats.corpus_lookup_rounds
-    empirical = counts / n
-    tv = 0.5 * (empirical - exact).abs().sum().item()
-    # Null: the TV of n exact samples from `exact`, over 30 simulated draws; tolerance = 1.5x its maximum.
-    gen = torch.Generator().manual_seed(1)
-    null = []
-    for _ in range(30):
-        draw = torch.multinomial(exact.reshape(-1).float(), n, replacement=True, generator=gen)
-        emp = torch.bincount(draw, minlength=vocab * vocab).double() / n
-        null.append(0.5 * (emp - exact.reshape(-1)).abs().sum().item())
+    # the TV from `exact`, and the tolerance: 1.5x the largest TV of 30 simulated exact samplers of n tokens
+    tv, tolerance = tv_test(counts.reshape(-1), exact.reshape(-1), torch.Generator().manual_seed(1))
     assert accepted > 0, "no draft token was ever accepted: the test would not exercise rejection sampling"
     assert (lookup_rounds > 0) == (lookup is not None)
     assert (corpus_rounds > 0) == corpus
-    assert tv < 1.5 * max(null), (tv, max(null))
+    assert tv < tolerance, (tv, tolerance)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -289,7 +281,7 @@ def test_bad_inputs_raise_clear_errors(llama):
         llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.draft_mode = "chain"
     drafter.generation_config.num_assistant_tokens = 9
-    with pytest.raises(ValueError, match="at most 8 positions"):
+    with pytest.raises(ValueError, match=r"an integer in \[1, 8\] \(the drafter predicts K=8 positions per pass\)"):
         llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
     drafter.generation_config.num_assistant_tokens = before["num_assistant_tokens"]
     # transformers' assistant schedule and confidence stop are not implemented: refused, in both loops
@@ -309,7 +301,7 @@ def test_bad_inputs_raise_clear_errors(llama):
                                              rf"{steps!r}"):
             llama.generate(PROMPT, max_new_tokens=4, assistant_model=drafter)
         with pytest.raises(ValueError, match=r"`num_flow_steps` must be None"):  # the drafter's own API too
-            drafter.draft(torch.randn(1, 4, 64), PROMPT, num_flow_steps=steps)
+            drafting.draft(drafter, torch.randn(1, 4, 64), PROMPT, num_flow_steps=steps)
     drafter.generation_config.num_flow_steps = before["num_flow_steps"]
     # nothing else changed: the drafter's settings are as before and generation still works and is lossless
     assert drafter.generation_config.to_dict() == before

@@ -1,12 +1,8 @@
-"""Lossless speculative generation on tiny random Llama, Qwen3 and Qwen3.5-hybrid targets.
-
-Every speculative call is compared token for token with plain `target.generate` (greedy), across 30 prompts per
-family, with a random ChainFlowDrafter and with OracleDrafter at error rates 0, 0.3 and 1.0, chains of length
-1, 3, 8 and trees 8x4, 5x7, 16x4, 1x1 and 8x4 cut to its 10 most probable nodes.  Each (drafter, shape) pair runs
-on a rotating subset of the prompts so that every prompt meets several pairs and every pair meets several prompts.
+"""Speculative generation of one prompt on tiny random Llama, Qwen3 and Qwen3.5-hybrid targets: what the equivalence
+grid (`tests/test_equivalence_grid.py`, which compares every call with plain `generate` over drafters x shapes) does
+not check: a perfect oracle accepts every full-depth round, which loop runs, the direct `custom_generate` route, the
+prefill's one-position projection.
 """
-
-import itertools
 
 import pytest
 import torch
@@ -14,11 +10,9 @@ import torch
 import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow.testing import TINY_FAMILIES, OracleDrafter, tiny_target
 
-from _speculative import random_drafter, set_shape
+from _speculative import set_shape
 
-SHAPES = [("chain", 1), ("chain", 3), ("chain", 8), ("tree", (8, 4)), ("tree", (5, 7)), ("tree", (16, 4)),
-          ("tree", (1, 1)), ("tree", (8, 4, 10))]  # (width, depth[, budget])
-NUM_PROMPTS = 30
+NUM_PROMPTS = 6
 MAX_NEW = 20
 
 
@@ -30,28 +24,6 @@ def family_setup(request):
                for _ in range(NUM_PROMPTS)]
     refs = [target.generate(p, max_new_tokens=MAX_NEW, do_sample=False) for p in prompts]
     return request.param, target, prompts, refs
-
-
-@pytest.mark.parametrize("drafter_kind", ["random", "oracle0", "oracle0.3", "oracle1"])
-def test_greedy_is_lossless(family_setup, drafter_kind):
-    family, target, prompts, refs = family_setup
-    if drafter_kind == "random":
-        drafter = random_drafter(target)
-    else:
-        drafter = OracleDrafter(target, error_rate=float(drafter_kind[len("oracle"):]), seed=7)
-    cases = list(itertools.product(range(len(SHAPES)), range(NUM_PROMPTS)))
-    offset = {"random": 0, "oracle0": 1, "oracle0.3": 2, "oracle1": 3}[drafter_kind]
-    checked = 0
-    for shape_index, prompt_index in cases:
-        if (prompt_index + offset) % 5 != shape_index % 5:  # each pair: 6 prompts; each prompt: 1-2 shapes
-            continue
-        mode, shape = SHAPES[shape_index]
-        set_shape(drafter, mode, shape)
-        out = target.generate(prompts[prompt_index], max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter)
-        assert torch.equal(out, refs[prompt_index]), (family, drafter_kind, mode, shape, prompt_index)
-        assert drafter.last_stats.rounds > 0
-        checked += 1
-    assert checked >= 6 * len(SHAPES) * 0.8
 
 
 @pytest.mark.parametrize("mode,shape", [("chain", 3), ("chain", 8), ("tree", (8, 4)), ("tree", (5, 7))])

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-from hf_chainflow.generation.batch_verification import RaggedRows, commit_batch, select_rows, verify_forward_batch
+from hf_chainflow.generation.verification import RaggedRows, commit_batch, select_rows, verify_forward_batch
 from hf_chainflow.generation.hybrid import committed_length, gdn_layers, is_hybrid_target, prepare_hybrid_target
 from hf_chainflow.testing import tiny_target
 from hf_chainflow.generation.verification import build_verify_inputs, commit, verify_forward

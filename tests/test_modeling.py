@@ -1,8 +1,11 @@
 """ChainFlowConfig validation, drafter shapes, Hub-format save/load, target binding, variants, alignment."""
 
+import ast
 import copy
+import inspect
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,9 @@ from transformers import AutoConfig, AutoModel
 
 import hf_chainflow  # noqa: F401  (registers the `chainflow` model type)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter, DraftTree
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.generation.search import folded_feedback_logits
+from hf_chainflow.training.resize import resize_markov_head, resize_path_head
 from hf_chainflow.testing import tiny_target
 
 SMALL = dict(num_blocks=1, num_heads=4, path_hidden_size=32, markov_rank=16)
@@ -108,10 +113,10 @@ def test_training_forward_shapes(target):
 def test_chain_and_tree_shapes(target, context):
     ids, hidden = context
     drafter = make(target).bind_target(target)
-    chain = drafter.draft(hidden, ids, mode="chain", num_tokens=5)
+    chain = drafting.draft(drafter, hidden, ids, mode="chain", num_tokens=5)
     assert isinstance(chain, DraftTree) and chain.num_nodes == 5 and chain.is_chain
     assert chain.depths.tolist() == [1, 2, 3, 4, 5]
-    tree = drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4)
+    tree = drafting.draft(drafter, hidden, ids, mode="tree", tree_width=6, tree_depth=4)
     assert tree.num_nodes == 6 * 4 and tree.max_depth == 4
     assert all(tree.parents[i] < i for i in range(tree.num_nodes))
     for i in range(tree.num_nodes):  # parent is one level up; root children at depth 1
@@ -119,15 +124,15 @@ def test_chain_and_tree_shapes(target, context):
         assert int(tree.depths[i]) == (1 if parent < 0 else int(tree.depths[parent]) + 1)
     # cumulative log-probabilities: each level's kept nodes are the best W among its candidates
     assert torch.isfinite(tree.logprobs).all() and (tree.logprobs <= 0).all()
-    sampled = drafter.draft(hidden, ids, mode="chain", num_tokens=3, do_sample=True)
+    sampled = drafting.draft(drafter, hidden, ids, mode="chain", num_tokens=3, do_sample=True)
     assert sampled.draft_probs.shape == (3, 256)
     assert torch.allclose(sampled.draft_probs.sum(-1), torch.ones(3), atol=1e-5)
     q_of_token = sampled.draft_probs.gather(1, sampled.tokens[:, None])[:, 0]
     assert (q_of_token > 0).all()
     with pytest.raises(ValueError, match="tree_depth"):
-        drafter.draft(hidden, ids, mode="tree", tree_width=2, tree_depth=9)
+        drafting.draft(drafter, hidden, ids, mode="tree", tree_width=2, tree_depth=9)
     with pytest.raises(ValueError, match="draws chains only"):
-        drafter.draft(hidden, ids, mode="tree", do_sample=True)
+        drafting.draft(drafter, hidden, ids, mode="tree", do_sample=True)
 
 
 def test_one_drafter_pass_per_round(target, context):
@@ -139,7 +144,7 @@ def test_one_drafter_pass_per_round(target, context):
     h1 = drafter.velocity.experts[0].time_mlp.register_forward_hook(
         lambda *a: calls.__setitem__("velocity", calls["velocity"] + 1))
     h2 = drafter.path_head.mlp.register_forward_hook(lambda *a: calls.__setitem__("path", calls["path"] + 1))
-    drafter.draft(hidden, ids, mode="tree", tree_width=8, tree_depth=4)
+    drafting.draft(drafter, hidden, ids, mode="tree", tree_width=8, tree_depth=4)
     h1.remove(), h2.remove()
     assert calls == {"velocity": drafter.config.num_flow_steps, "path": 4}  # one batched call per level
 
@@ -163,7 +168,7 @@ def test_draft_inputs_are_checked_before_drafting(target, context):
     for override, needle in cases:
         kwargs = dict(hidden_states=hidden, input_ids=ids) | override
         with pytest.raises(ValueError, match=needle):
-            drafter.draft(kwargs.pop("hidden_states"), kwargs.pop("input_ids"), **kwargs)
+            drafting.draft(drafter, kwargs.pop("hidden_states"), kwargs.pop("input_ids"), **kwargs)
 
 
 def _randomise_feedback(drafter):
@@ -186,15 +191,15 @@ def test_folded_feedback_equals_term_by_term(target, context, feedback):
         _randomise_feedback(drafter)
     states = drafter.predict_states(hidden)[0]  # (K, D)
     parents = torch.randint(3, 256, (5, drafter.config.path_order), generator=torch.Generator().manual_seed(2))
-    fused, bias = drafter.serving_feedback_weight()
-    folded = folded_feedback_logits(drafter, drafter.serving_tables(), states[1].expand(5, -1), parents, fused, bias) + F.linear(
-        states[1], drafter.draft_head_weight())  # (5, S)
+    fused, bias = serving.serving_feedback_weight(drafter)
+    folded = folded_feedback_logits(drafter, serving.serving_tables(drafter), states[1].expand(5, -1), parents, fused,
+                                    bias) + F.linear(states[1], drafter.draft_head_weight())  # (5, S)
     reference = drafter.feedback_logits(states[1].expand(5, -1), parents)  # (5, S)
     torch.testing.assert_close(folded, reference, rtol=1e-4, atol=1e-4)
     # the cache follows the weights: an in-place update (what an optimizer step does) refreshes the fold
     with torch.no_grad():
         drafter.markov_head.u2.mul_(2.0)
-    refreshed, _ = drafter.serving_feedback_weight()
+    refreshed, _ = serving.serving_feedback_weight(drafter)
     assert not torch.equal(refreshed, fused)
     torch.testing.assert_close(refreshed[:, -drafter.config.markov_rank:], drafter.markov_head.u2)
 
@@ -203,7 +208,7 @@ def test_eval_refolds_feedback_after_fused_optimizer_steps(target, context):
     """The fused AdamW (the trainer's default) updates in place without bumping `_version`: `.eval()` refolds."""
     ids, hidden = context
     drafter = make(target, serving_head_dtype="float32").bind_target(target)
-    drafter.draft(hidden, ids, mode="tree", tree_width=4, tree_depth=3)  # fills the fold with zero-init heads
+    drafting.draft(drafter, hidden, ids, mode="tree", tree_width=4, tree_depth=3)  # fills the fold with zero-init heads
     drafter.train()
     params = [drafter.path_head.out.weight, drafter.path_head.out.bias, drafter.markov_head.u2]
     optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
@@ -212,7 +217,7 @@ def test_eval_refolds_feedback_after_fused_optimizer_steps(target, context):
             p.grad = torch.randn_like(p)
         optimizer.step()
     drafter.eval()
-    fused, bias = drafter.serving_feedback_weight()
+    fused, bias = serving.serving_feedback_weight(drafter)
     W = drafter.draft_head_weight()
     torch.testing.assert_close(fused, torch.cat([W @ params[0], params[2]], 1).detach())
     torch.testing.assert_close(bias, (W @ params[1]).detach())
@@ -223,14 +228,14 @@ def test_eval_refolds_feedback_after_fused_optimizer_steps(target, context):
 def test_stacked_experts_compute_the_module_velocity(target, overrides):
     """Serving runs the experts stacked (`serving_velocity`): the same velocity as the module, bit for bit, with and
     without a context mask; rebuilt after an in-place update; the module itself in training mode or under LoRA."""
-    from hf_chainflow.models.chainflow.modeling_chainflow import StackedExperts
+    from hf_chainflow.generation.serving import StackedExperts
 
     drafter = make(target, **overrides).bind_target(target)
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for p in drafter.velocity.parameters():  # zero-initialised projections (bonus, skip) too
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    stacked = drafter.serving_velocity()
+    stacked = serving.serving_velocity(drafter)
     assert isinstance(stacked, StackedExperts)
     cfg = drafter.config
     B, K, Z, C = 3, cfg.num_draft_positions, cfg.latent_size, cfg.context_size
@@ -242,11 +247,11 @@ def test_stacked_experts_compute_the_module_velocity(target, overrides):
         for m in (None, mask):
             assert torch.equal(stacked(z, s, context, m, bonus), drafter.velocity(z, s, context, m, bonus))
         drafter.velocity.experts[1].blocks[0].mlp[2].weight.mul_(2.0)
-        assert drafter.serving_velocity() is not stacked
-        assert torch.equal(drafter.serving_velocity()(z, s, context, mask, bonus),
+        assert serving.serving_velocity(drafter) is not stacked
+        assert torch.equal(serving.serving_velocity(drafter)(z, s, context, mask, bonus),
                            drafter.velocity(z, s, context, mask, bonus))
     drafter.train()
-    assert drafter.serving_velocity() is drafter.velocity
+    assert serving.serving_velocity(drafter) is drafter.velocity
     drafter.eval()
     class Wrapper(torch.nn.Module):  # another module type around a linear, as a LoRA adapter's
         def __init__(self, base):
@@ -258,15 +263,15 @@ def test_stacked_experts_compute_the_module_velocity(target, overrides):
 
     drafter.velocity.experts[0].in_proj = Wrapper(drafter.velocity.experts[0].in_proj)
     drafter.eval()
-    assert drafter.serving_velocity() is drafter.velocity
+    assert serving.serving_velocity(drafter) is drafter.velocity
 
 
 def test_tree_budget_keeps_the_most_probable_nodes(target, context):
     ids, hidden = context
     drafter = make(target).bind_target(target)
     _randomise_feedback(drafter)
-    full = drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4)
-    pruned = drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4, tree_budget=9)
+    full = drafting.draft(drafter, hidden, ids, mode="tree", tree_width=6, tree_depth=4)
+    pruned = drafting.draft(drafter, hidden, ids, mode="tree", tree_width=6, tree_depth=4, tree_budget=9)
     assert pruned.num_nodes == 9
     cum_full, cum_pruned = full.cumulative_logprobs(), pruned.cumulative_logprobs()
     # the kept path probabilities are the 9 best of the full tree, and the order stays breadth-first
@@ -277,9 +282,10 @@ def test_tree_budget_keeps_the_most_probable_nodes(target, context):
         assert parent < i and int(pruned.depths[i]) == (1 if parent < 0 else int(pruned.depths[parent]) + 1)
         if parent >= 0:
             torch.testing.assert_close(cum_pruned[i], cum_pruned[parent] + pruned.logprobs[i])
-    assert drafter.draft(hidden, ids, mode="tree", tree_width=6, tree_depth=4, tree_budget=100).num_nodes == 24
+    assert drafting.draft(drafter, hidden, ids, mode="tree", tree_width=6, tree_depth=4,
+                          tree_budget=100).num_nodes == 24
     with pytest.raises(ValueError, match="`tree_budget` must be None .* or a positive integer, got 0"):
-        drafter.draft(hidden, ids, mode="tree", tree_budget=0)
+        drafting.draft(drafter, hidden, ids, mode="tree", tree_budget=0)
 
 
 def test_top_nodes_ties_keep_ancestors():
@@ -316,8 +322,8 @@ def test_save_load_round_trip(target, context, tmp_path):
     loaded = ChainFlowDrafter.from_pretrained(tmp_path, target=target).eval()
     assert loaded.generation_config.tree_width == 5
     for mode in ("chain", "tree"):
-        a = drafter.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
-        b = loaded.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
+        a = drafting.draft(drafter, hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
+        b = drafting.draft(loaded, hidden, ids, mode=mode, num_tokens=4, tree_width=5, tree_depth=3)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         assert torch.allclose(a.logprobs, b.logprobs)
 
@@ -334,11 +340,12 @@ def test_resizing_feedback_heads_keeps_outputs_and_trains_the_new_units(target, 
                  prev_tokens=torch.randint(0, 256, (B, p - 1 + K), generator=gen))
     torch.manual_seed(0)
     before = drafter(**batch)
-    chains = [drafter.draft(hidden, ids, mode=m, num_tokens=4, tree_width=4, tree_depth=3) for m in ("chain", "tree")]
+    chains = [drafting.draft(drafter, hidden, ids, mode=m, num_tokens=4, tree_width=4, tree_depth=3)
+              for m in ("chain", "tree")]
     old_out = drafter.path_head.out.weight.clone()
 
-    assert drafter.resize_path_head(48) is drafter
-    assert drafter.resize_markov_head(24) is drafter
+    assert resize_path_head(drafter, 48) is drafter
+    assert resize_markov_head(drafter, 24) is drafter
     assert drafter.config.path_hidden_size == 48 and drafter.config.markov_rank == 24
     assert drafter.markov_head.u1.weight.shape[1] == drafter.markov_head.u2.shape[1] == 24
     assert not drafter.markov_head.u2[:, 16:].any() and drafter.markov_head.u1.weight[:, 16:].any()
@@ -350,7 +357,7 @@ def test_resizing_feedback_heads_keeps_outputs_and_trains_the_new_units(target, 
     for field in ("corrected_states", "logits", "marginal_logits"):
         torch.testing.assert_close(getattr(after, field), getattr(before, field), rtol=1e-5, atol=1e-5)
     for mode, old in zip(("chain", "tree"), chains):  # served through the refolded feedback weights
-        new = drafter.draft(hidden, ids, mode=mode, num_tokens=4, tree_width=4, tree_depth=3)
+        new = drafting.draft(drafter, hidden, ids, mode=mode, num_tokens=4, tree_width=4, tree_depth=3)
         assert torch.equal(new.tokens, old.tokens) and torch.equal(new.parents, old.parents)
         torch.testing.assert_close(new.logprobs, old.logprobs, rtol=1e-5, atol=1e-5)
 
@@ -372,22 +379,22 @@ def test_resizing_feedback_heads_errors_change_nothing(target):
     for width, needle in [(32, r"larger than the current `path_hidden_size` \(32\), got 32"),
                           (16, "got 16"), (40.0, "got 40.0"), (True, "got True")]:
         with pytest.raises(ValueError, match=needle):
-            drafter.resize_path_head(width)
+            resize_path_head(drafter, width)
     with pytest.raises(ValueError, match="`feedback='markov'`"):
-        make(target, feedback="markov").resize_path_head(64)
+        resize_path_head(make(target, feedback="markov"), 64)
     with pytest.raises(ValueError, match=r"larger than the current `markov_rank` \(16\), got 8"):
-        drafter.resize_markov_head(8)
+        resize_markov_head(drafter, 8)
     with pytest.raises(ValueError, match="`feedback='none'`"):
-        make(target, feedback="none").resize_markov_head(64)
+        resize_markov_head(make(target, feedback="none"), 64)
     assert drafter.config.path_hidden_size == 32 and drafter.config.markov_rank == 16
     assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
     from hf_chainflow.training.adapters import add_language_adapter
 
     peft_model = add_language_adapter(drafter, "de")
     with pytest.raises(ValueError, match=r"path head.s layers .* are wrapped, .* Merge the adapter"):
-        peft_model.base_model.model.resize_path_head(64)
+        resize_path_head(peft_model.base_model.model, 64)
     with pytest.raises(ValueError, match=r"layers {.u1.: .*} are wrapped"):
-        peft_model.base_model.model.resize_markov_head(64)
+        resize_markov_head(peft_model.base_model.model, 64)
     assert drafter.config.path_hidden_size == 32 and drafter.config.markov_rank == 16
 
 
@@ -460,7 +467,7 @@ def test_binding_errors(target, context, tmp_path):
     ids, hidden = context
     drafter = make(target)
     with pytest.raises(ValueError, match="not bound"):
-        drafter.draft(hidden, ids)
+        drafting.draft(drafter, hidden, ids)
     with pytest.raises(ValueError, match="not bound"):
         drafter(context_states=torch.randn(1, 8, 64), target_states=torch.randn(1, 8, 64),
                 target_tokens=torch.zeros(1, 8, dtype=torch.long), prev_tokens=torch.zeros(1, 15, dtype=torch.long))
@@ -500,8 +507,8 @@ def test_every_variant_builds_trains_and_drafts(name, target, context):
                   target_tokens=torch.randint(0, 256, (2, 8)), prev_tokens=torch.randint(0, 256, (2, 15)))
     assert out.logits.shape[:2] == (2, 8)
     drafter.eval()
-    chain = drafter.draft(hidden, ids, mode="chain", num_tokens=3)
-    tree = drafter.draft(hidden, ids, mode="tree", tree_width=4, tree_depth=3)
+    chain = drafting.draft(drafter, hidden, ids, mode="chain", num_tokens=3)
+    tree = drafting.draft(drafter, hidden, ids, mode="tree", tree_width=4, tree_depth=3)
     assert chain.num_nodes == 3 and tree.num_nodes == 12
     if "shortlist" in VARIANTS[name]:
         allowed = set(VARIANTS[name]["shortlist"])
@@ -523,7 +530,7 @@ def test_oracle_states_reproduce_greedy_continuation(family):
     t = prompt.shape[1]  # committed x_1..x_{t+1}: the prompt plus the bonus token
     committed = full[0, : t + 1]
     future = states[t: t + K]  # h_{t+1..t+K} (0-based rows t..t+K-1)
-    chain = drafter.search(future, committed, mode="chain", num_tokens=K)
+    chain = drafting.search(drafter, future, committed, mode="chain", num_tokens=K)
     assert chain.tokens.tolist() == full[0, t + 1: t + 1 + K].tolist()
 
 
@@ -546,3 +553,45 @@ def test_state_statistics_are_saved_and_validated(target, tmp_path):
     with pytest.raises(ValueError, match="must be tensors"):
         drafter.set_state_statistics([0.0] * 64, [1.0] * 64)
     assert torch.equal(drafter.state_mean, mean) and torch.equal(drafter.state_std, std)  # refused: unchanged
+
+
+# ---------------------------------------------------------------------------------------------------- one job per class
+# What moved off the model class (issue 63): drafting (hf_chainflow.generation.drafting), serving
+# (hf_chainflow.generation.serving) and head resizing (hf_chainflow.training.resize).
+MOVED = ("draft", "draft_batch", "search", "compiled_round", "warm_up_drafting", "_layers_hint",
+         "continuation_table", "set_continuation_table", "serving_head_weight", "serving_feedback_weight",
+         "serving_velocity", "serving_tables", "_packed", "StackedExperts", "resize_path_head", "resize_markov_head",
+         "_check_resize")
+MODELS = Path(hf_chainflow.__file__).parent / "models"
+
+
+def test_the_model_class_defines_no_drafting_serving_or_resizing_method():
+    for cls in ChainFlowDrafter.__mro__:
+        assert not set(vars(cls)) & set(MOVED), (cls.__name__, sorted(set(vars(cls)) & set(MOVED)))
+    lines, _ = inspect.getsourcelines(ChainFlowDrafter)
+    assert len(lines) <= 400, len(lines)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function (relative imports resolved)."""
+    package = ".".join(path.relative_to(MODELS.parent.parent).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(MODELS.rglob("*.py")), ids=lambda p: p.name)
+def test_the_model_modules_import_nothing_from_generation_or_training(path):
+    """`models/` is the bottom layer: generation and training import it, never the reverse; and no module passes
+    600 lines."""
+    bad = sorted(name for name in _imported_modules(path)
+                 if name.startswith(("hf_chainflow.generation", "hf_chainflow.training")))
+    assert not bad, bad
+    assert len(path.read_text().splitlines()) <= 600

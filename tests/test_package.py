@@ -41,11 +41,25 @@ def test_help_and_usage_errors_import_neither_torch_nor_transformers():
     assert result["loaded"] == []
 
 
+@pytest.mark.parametrize("module", ["hf_chainflow.commands", "hf_chainflow.cli", "hf_chainflow.vllm"])
+def test_module_entry_points_print_help_without_torch_or_transformers(module):
+    """`python -m hf_chainflow.commands --help` (the `torchrun -m` path), the `hf_chainflow.cli` alias and
+    `python -m hf_chainflow.vllm --help` (which prints the config for `vllm serve`) run their `__main__` and import
+    neither torch nor transformers (`-X importtime` lists every module imported; tests/test_layout.py checks the same
+    statically, module by module)."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+    imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "hf_chainflow" in imported
+    assert not imported & {"torch", "transformers"}, sorted(imported & {"torch", "transformers"})
+
+
 # `from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter`: the next test
 DRAFTER_PATHS = [
     "import hf_chainflow\nassert 'torch' not in sys.modules\nhf_chainflow.ChainFlowDrafter",
     "from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfig",
-    "from hf_chainflow.testing import OracleDrafter",
+    "from hf_chainflow.testing import OracleDrafter, tiny_target\nOracleDrafter(tiny_target())",  # made, not imported
     "import hf_chainflow.generation.hook",  # the hook's own module (it imports decoding, settings, ...)
 ]
 HOOK_STATE = ("from transformers import AutoConfig, AutoModel\n"
@@ -59,6 +73,17 @@ HOOKED = {"hooked": True, "config": "ChainFlowConfig", "model": "ChainFlowDrafte
 @pytest.mark.parametrize("first", DRAFTER_PATHS)
 def test_every_way_to_a_drafter_installs_the_generate_hook(first):
     assert _run("import sys\n" + first + "\n" + HOOK_STATE + "state = hook\n" + REPORT) == HOOKED
+
+
+def test_the_testing_module_installs_no_hook_until_an_oracle_drafter_is_made():
+    """`hf_chainflow.testing` is imported for `tiny_target` alone by many tests and scripts: importing it, and building
+    a target, leave `generate` as transformers ships it; making an `OracleDrafter` installs the hook."""
+    code = ("import sys\nfrom transformers.generation.utils import GenerationMixin\n"
+            "from hf_chainflow.testing import OracleDrafter, tiny_target\ntarget = tiny_target()\n"
+            "state = {'before': getattr(GenerationMixin.generate, '_chainflow', False),\n"
+            "         'hook_module': 'hf_chainflow.generation.hook' in sys.modules}\n"
+            "OracleDrafter(target)\nstate['after'] = getattr(GenerationMixin.generate, '_chainflow', False)\n" + REPORT)
+    assert _run(code) == {"before": False, "hook_module": False, "after": True}
 
 
 def test_a_drafter_from_the_modeling_module_drafts_in_generate_without_hybrid_modeling():
@@ -98,10 +123,10 @@ def test_public_names_import_from_the_package_top():
     import hf_chainflow
     import hf_chainflow.bench as bench
     from hf_chainflow import ChainFlowTrainer, ChainFlowTrainingArguments, ChainFlowWindowDataset, prepare
-    from hf_chainflow.training.data import ChainFlowWindowDataset as defined_dataset
-    from hf_chainflow.training.data import prepare as defined_prepare
+    from hf_chainflow.training.windows import ChainFlowWindowDataset as defined_dataset
+    from hf_chainflow.training.prepare import prepare as defined_prepare
     from hf_chainflow.training.trainer import ChainFlowTrainer as defined_trainer
-    from hf_chainflow.training.trainer import ChainFlowTrainingArguments as defined_arguments
+    from hf_chainflow.training.arguments import ChainFlowTrainingArguments as defined_arguments
 
     assert (ChainFlowTrainer, ChainFlowTrainingArguments) == (defined_trainer, defined_arguments)
     assert (ChainFlowWindowDataset, prepare) == (defined_dataset, defined_prepare)

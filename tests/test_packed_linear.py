@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.generation import serving
 from hf_chainflow.generation.packed_linear import PackedLinear
 from hf_chainflow.generation.search import search_levels
 from hf_chainflow.generation.settings import SearchSettings
@@ -82,13 +83,13 @@ def _drafter():
 
 def test_serving_tables_hold_the_packed_products_and_follow_the_weights():
     drafter = _drafter()
-    tables = drafter.serving_tables()
+    tables = serving.serving_tables(drafter)
     assert tables.head_linear.weight is tables.head and tables.folded_linear.weight is tables.folded[0]
-    again = drafter.serving_tables()
+    again = serving.serving_tables(drafter)
     assert again.head_linear is tables.head_linear and again.folded_linear is tables.folded_linear  # cached
     with torch.no_grad():
         drafter.path_head.out.weight.mul_(2.0)  # the folded matrix is rebuilt, and packed again
-    moved = drafter.serving_tables()
+    moved = serving.serving_tables(drafter)
     assert moved.folded_linear is not tables.folded_linear and moved.folded_linear.weight is moved.folded[0]
     assert moved.head_linear is tables.head_linear
 
@@ -101,9 +102,10 @@ def test_drafts_with_packed_products_are_the_plain_drafts():
     settings = SearchSettings(mode="tree", tree_width=5, tree_depth=4, tree_budget=7, max_depth=drafter.max_draft_depth)
     with torch.no_grad():
         for _ in range(10):
-            states = drafter.predict_states(torch.randn(2, C, D, generator=gen) * 3.0)
+            states = drafter.predict_states(torch.randn(2, C, D, generator=gen) * 3.0,
+                                            velocity=serving.serving_velocity(drafter))  # as served
             tails = torch.randint(3, V, (2, cfg.path_order), generator=gen)
-            tables = drafter.serving_tables()
+            tables = serving.serving_tables(drafter)
             packed = search_levels(drafter, tables, states, tails, settings)
             plain = search_levels(drafter, tables._replace(head_linear=None, folded_linear=None), states, tails, settings)
             for a, b in zip(packed[:4], plain[:4]):

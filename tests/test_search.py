@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_chainflow import ChainFlowDrafter, DraftTree
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.generation.search import candidate_search
 from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.testing import tiny_target
@@ -34,14 +35,14 @@ def reference_search(drafter, states, committed, *, mode="chain", num_tokens=3, 
     cfg = drafter.config
     p = cfg.path_order
     depth_needed = num_tokens if mode == "chain" else tree_depth
-    full = drafter.serving_head_weight()  # (S, D)
+    full = serving.serving_head_weight(drafter)  # (S, D)
     scores = F.linear(states[:depth_needed].to(full.dtype), full).float()  # (d, S)
     if full.shape[0] <= cfg.candidate_budget:
         rows, head = None, scores
     else:
         rows = scores.max(0).values.topk(cfg.candidate_budget).indices  # (M,)
         head = scores.index_select(1, rows)  # (d, M)
-    folded = drafter.serving_feedback_weight()
+    folded = serving.serving_feedback_weight(drafter)
     if folded is not None:
         fused, fused_bias = folded
     else:
@@ -152,7 +153,7 @@ def make_drafter(target, name):
         wrapped = _Wrapped(out.in_features, out.out_features)
         wrapped.load_state_dict(out.state_dict())
         drafter.path_head.out = wrapped
-        assert drafter.serving_feedback_weight() is None
+        assert serving.serving_feedback_weight(drafter) is None
     return drafter
 
 
@@ -193,13 +194,13 @@ def test_the_search_equals_the_reference_on_every_window(target, name):
     for w, (states, committed) in enumerate(windows(drafter, 12, seed=len(name))):
         for shape in SHAPES:
             want = reference_search(drafter, states, committed, **shape)
-            assert_same_tree(drafter.search(states, committed, **shape), want, (name, w, shape))
+            assert_same_tree(drafting.search(drafter, states, committed, **shape), want, (name, w, shape))
         for temperature in (1.0, 0.7):  # sampled chains: the same draws from the same generator state
             torch.manual_seed(100 + w)
             want = reference_search(drafter, states, committed, mode="chain", num_tokens=5, do_sample=True,
                                     temperature=temperature)
             torch.manual_seed(100 + w)
-            got = drafter.search(states, committed, mode="chain", num_tokens=5, do_sample=True,
+            got = drafting.search(drafter, states, committed, mode="chain", num_tokens=5, do_sample=True,
                                  temperature=temperature)
             assert_same_tree(got, want, (name, w, "sampled", temperature))
 

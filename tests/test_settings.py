@@ -74,13 +74,13 @@ def test_speculative_settings_read_the_drafter_config_once():
     assert chain.needs_own_loop(target, GenerationConfig(stop_strings=["x"]), None)
     assert chain.replace(mode="tree").needs_own_loop(target, GenerationConfig(), None)
     assert not is_stateful_target(target) and is_stateful_target(tiny_target("qwen3_5", num_layers=2))
-    with pytest.raises(ValueError, match=r"`drafter.generation_config.tree_depth` is 99, but this drafter predicts at "
-                                         r"most 64 positions per pass. Use a value in \[1, 64\]"):
+    with pytest.raises(ValueError, match=r"`drafter.generation_config.tree_depth` must be an integer in \[1, 64\] "
+                                         r"\(the drafter predicts K=64 positions per pass\), got 99"):
         chain.replace(tree_depth=99)  # checked in every mode: the config may be switched to trees
     for field, value, needle in (
-            ("mode", "beam", r"`drafter.generation_config.draft_mode` must be 'chain' or 'tree', got 'beam'"),
+            ("mode", "beam", r"`drafter.generation_config.draft_mode` must be one of \('chain', 'tree'\), got 'beam'"),
             ("tree_width", 0, r"`drafter.generation_config.tree_width` must be a positive integer, got 0"),
-            ("tree_budget", -1, r"`drafter.generation_config.tree_budget` must be None \(keep all"),
+            ("tree_budget", -1, r"`drafter.generation_config.tree_budget` must be None \(keep every node\)"),
             ("num_flow_steps", 0, r"`drafter.generation_config.num_flow_steps` must be None"),
             ("lookup_ngram", None, r"`drafter.generation_config.lookup_ngram` must be a positive integer, got None")):
         with pytest.raises(ValueError, match=needle):
@@ -101,7 +101,7 @@ def test_tree_shapes_are_parsed_in_one_place():
 
 def test_the_settings_module_imports_neither_torch_nor_transformers():
     """The command line checks its options with it before loading a model; importing torch alone takes seconds."""
-    path = Path(hf_chainflow.__file__).parent / "settings.py"
+    path = Path(hf_chainflow.__file__).parent / "generation" / "settings.py"
     code = ("import importlib.util, sys\n"
             f"spec = importlib.util.spec_from_file_location('chainflow_settings', {str(path)!r})\n"
             "module = sys.modules['chainflow_settings'] = importlib.util.module_from_spec(spec)\n"

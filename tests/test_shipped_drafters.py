@@ -90,8 +90,8 @@ def test_shipped_drafter_is_lossless_over_a_long_answer(target_and_inputs):
 @pytest.mark.slow
 def test_shipped_drafter_drafts_up_to_its_measured_batch_cutoff(target_and_inputs):
     # The shipped generation config carries the decode-batch cutoff measured by `hf-chainflow bench --batch-sizes`
-    # (docs/results.md, "A batch of prompts"): a batch of up to 4 prompts drafts, a larger one decodes plainly, and
-    # both equal plain batched `generate`.
+    # (docs/batching.md, "Measured: the shipped drafter at batch 1 to 8"): a batch of up to 4 prompts drafts, a
+    # larger one decodes plainly, and both equal plain batched `generate`.
     target, tok, _, _ = target_and_inputs
     drafter = ChainFlowDrafter.from_pretrained(default_drafter_path(), target=target)
     cutoff = drafter.generation_config.max_speculative_batch_size

@@ -8,13 +8,10 @@ from safetensors.torch import load_file
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.testing import tiny_target
-from hf_chainflow.training.trainer import (
-    ChainFlowTrainer,
-    ChainFlowTrainingArguments,
-    ReplayMixDataset,
-    adaptation_arguments,
-    warm_start,
-)
+from hf_chainflow.training.trainer import ChainFlowTrainer
+from hf_chainflow.training.arguments import ChainFlowTrainingArguments
+from hf_chainflow.training.replay import ReplayMixDataset
+from hf_chainflow.training.adaptation import adaptation_arguments, warm_start
 
 from _windows import greedy_sequences, make_windows, one_thread, tiny_drafter_config
 
@@ -111,7 +108,7 @@ def test_failed_construction_and_failed_vae_stage_leave_the_drafter_unchanged(ta
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("hf_chainflow.training.trainer.vae_reconstruction_loss", broken)
+    monkeypatch.setattr("hf_chainflow.training.vae_pretraining.vae_reconstruction_loss", broken)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.pretrain_vae(num_steps=2)
     assert not drafter.training

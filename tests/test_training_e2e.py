@@ -9,7 +9,7 @@ import torch
 
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.commands import main
-from hf_chainflow.training.data import read_shortlist
+from hf_chainflow.training.prepared_data import read_shortlist
 from hf_chainflow.targets import load_tokenizer
 from hf_chainflow.testing import tiny_target
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 import hf_chainflow  # noqa: F401  (installs the generate hook)
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.testing import TINY_FAMILIES, tiny_target
 from hf_chainflow.generation.verification import select_target_states
 
@@ -134,10 +135,10 @@ def test_the_shipped_drafter_drafts_what_it_drafted_before_the_new_fields():
     states = _states(target, ids, ())
     for case in reference["cases"]:
         cut = case["cut"]
-        tree = drafter.draft(states[:, :cut - 1], ids[:, :cut], **case["kwargs"])
+        tree = drafting.draft(drafter, states[:, :cut - 1], ids[:, :cut], **case["kwargs"])
         assert (tree.tokens.tolist(), tree.parents.tolist()) == (case["tokens"], case["parents"]), case["kwargs"]
         if "states_sum" in case:
-            predicted = drafter.predict_states(states[:, :cut - 1])
+            predicted = drafter.predict_states(states[:, :cut - 1], velocity=serving.serving_velocity(drafter))
             # Float32 products are reduced in a CPU-dependent order (oneDNN/MKL pick kernels per CPU): the sum moved
             # by 6.4e-7 relative between the recording EPYC Zen 4 and an Intel Xeon model 207, with identical drafts.
             assert float(predicted.double().sum()) == pytest.approx(case["states_sum"], rel=1e-5)
@@ -157,7 +158,7 @@ def test_a_fresh_drafter_with_a_new_input_drafts_as_without_it(target, lever):
     full = _states(target, ids[:, :-1], new.state_layers)
     assert torch.equal(new.predict_states(full, bonus_tokens=ids[:, -1]), plain.predict_states(full[..., :64]))
     for shape in (dict(mode="chain", num_tokens=3), dict(mode="tree", tree_width=4, tree_depth=3)):
-        a, b = new.draft(full, ids, **shape), plain.draft(full[..., :64], ids, **shape)
+        a, b = drafting.draft(new, full, ids, **shape), drafting.draft(plain, full[..., :64], ids, **shape)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
 
 
@@ -177,7 +178,7 @@ def test_the_new_inputs_move_the_drafts_and_are_checked(target, lever):
         moved[..., 64:] += 1.0
         assert not torch.allclose(out, drafter.predict_states(moved, bonus_tokens=bonus))
         with pytest.raises(ValueError, match=rf"shape \(1, T, {W}\) .* followed by the outputs of decoder layers"):
-            drafter.draft(states[:1, :, :64], bonus[None, :1])
+            drafting.draft(drafter, states[:1, :, :64], bonus[None, :1])
         with pytest.raises(ValueError, match=rf"`context_states` must have {W} features"):
             drafter(context_states=torch.randn(2, 8, 64), target_states=torch.randn(2, 8, 64),
                     target_tokens=torch.randint(0, 256, (2, 8)), prev_tokens=torch.randint(0, 256, (2, 15)))
@@ -195,8 +196,8 @@ def test_save_load_round_trip(target, lever, tmp_path):
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     ids = torch.randint(3, 256, (1, 11), generator=torch.Generator().manual_seed(6))
     states = _states(target, ids[:, :-1], drafter.state_layers)
-    a = drafter.draft(states, ids, mode="tree", tree_width=4, tree_depth=3)
-    b = loaded.draft(states, ids, mode="tree", tree_width=4, tree_depth=3)
+    a = drafting.draft(drafter, states, ids, mode="tree", tree_width=4, tree_depth=3)
+    b = drafting.draft(loaded, states, ids, mode="tree", tree_width=4, tree_depth=3)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
 
 
@@ -248,7 +249,7 @@ def test_the_train_command_sets_layer_statistics_and_eval_offline_walks(tmp_path
     """`hf-chainflow prepare --target-layers` -> `train --drafter-arg target_layer_ids=[0]` -> `eval-offline
     --walk-sequences`: the fused layer's statistics come from the data, the drafter trains, loads and walks."""
     from hf_chainflow.commands import main
-    from hf_chainflow.training.data import layer_statistics
+    from hf_chainflow.training.prepared_data import layer_statistics
     from hf_chainflow.targets import load_tokenizer
 
     from _fixtures import PROMPTS
@@ -278,32 +279,37 @@ def test_the_train_command_sets_layer_statistics_and_eval_offline_walks(tmp_path
 
 # ---------------------------------------------------------------------------------------------------- serving
 class _Recorder:
-    """Wraps a drafter's `draft` / `draft_batch` and keeps what each call was handed."""
+    """Wraps `hf_chainflow.generation.drafting.draft` / `draft_batch` (what the speculative loops call) and keeps what
+    each call for `drafter` was handed."""
 
-    def __init__(self, drafter):
-        self.calls = []
-        self._draft, self._draft_batch = drafter.draft, drafter.draft_batch
-        drafter.draft, drafter.draft_batch = self.draft, self.draft_batch
+    def __init__(self, drafter, monkeypatch):
+        self.calls, self.drafter = [], drafter
+        self._draft, self._draft_batch = drafting.draft, drafting.draft_batch
+        monkeypatch.setattr(drafting, "draft", self.draft)
+        monkeypatch.setattr(drafting, "draft_batch", self.draft_batch)
 
-    def draft(self, hidden_states, input_ids, **kwargs):
-        self.calls.append([(hidden_states[0], input_ids[0])])
-        return self._draft(hidden_states, input_ids, **kwargs)
+    def draft(self, drafter, hidden_states, input_ids, **kwargs):
+        if drafter is self.drafter:
+            self.calls.append([(hidden_states[0], input_ids[0])])
+        return self._draft(drafter, hidden_states, input_ids, **kwargs)
 
-    def draft_batch(self, hidden_states, committed, context_mask=None, **kwargs):
-        rows = [(h if context_mask is None else h[context_mask[b]], committed[b]) for b, h in enumerate(hidden_states)]
-        self.calls.append(rows)
-        return self._draft_batch(hidden_states, committed, context_mask, **kwargs)
+    def draft_batch(self, drafter, hidden_states, committed, context_mask=None, **kwargs):
+        if drafter is self.drafter:
+            rows = [(h if context_mask is None else h[context_mask[b]], committed[b])
+                    for b, h in enumerate(hidden_states)]
+            self.calls.append(rows)
+        return self._draft_batch(drafter, hidden_states, committed, context_mask, **kwargs)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_fused_and_bonus_drafters_are_lossless_and_read_the_right_states(family):
+def test_fused_and_bonus_drafters_are_lossless_and_read_the_right_states(family, monkeypatch):
     """Greedy speculative `generate` equals plain `generate` (one prompt in the own loop and in transformers'
     assisted loop, a left-padded batch in the batched loop; chains and trees), and every drafting call is handed the
     last `C` committed positions' final states followed by the chosen layers' outputs, as a plain forward over the
     committed tokens gives them."""
     tgt = tiny_target(family)
     drafter = _drafter(tgt, **LEVERS["both"] | {"target_layer_ids": [0, 2]})
-    recorder = _Recorder(drafter)
+    recorder = _Recorder(drafter, monkeypatch)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 256, (int(torch.randint(2, 20, (), generator=gen)),), generator=gen)
                for _ in range(4)]

@@ -9,11 +9,8 @@ from transformers import DynamicCache, StaticCache
 
 from hf_chainflow.testing import tiny_target
 from hf_chainflow.generation.tree import DraftTree
+from hf_chainflow.generation.acceptance import Acceptance, accept_greedy, accept_sampling, accept_sampling_tree
 from hf_chainflow.generation.verification import (
-    Acceptance,
-    accept_greedy,
-    accept_sampling,
-    accept_sampling_tree,
     ancestor_mask,
     build_verify_inputs,
     commit,

@@ -19,6 +19,7 @@ from transformers import LlamaConfig
 import hf_chainflow.vllm as hv
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting
 from hf_chainflow.vllm.proposer import ChainFlowProposer, _Capture, _TargetView
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -150,8 +151,8 @@ def test_proposer_drafts_from_the_committed_states_across_chunks_decodes_and_reo
             proposer.trace, [(b_ids, b_h, 20, 21), (b_ids, b_h, 22, 23), (a_ids, a_h, 29, 30)]):
         assert np.array_equal(before, ids[:end])  # the states follow exactly the committed tokens but the bonus
         assert np.array_equal(states, h[end - 8:end].numpy())  # A's context spans both prompt chunks
-        expected = drafter.draft(h[None, :end], torch.from_numpy(ids[None, :committed]).long(), mode="chain",
-                                 num_tokens=3).tokens.tolist()
+        expected = drafting.draft(drafter, h[None, :end], torch.from_numpy(ids[None, :committed]).long(),
+                                  mode="chain", num_tokens=3).tokens.tolist()
         assert chain == expected
 
 

@@ -27,7 +27,7 @@ _EXPORTS = {
                      "lacks_bf16_matrix_instructions", "machine_info"], "machine"),
     **dict.fromkeys(["BenchJournal", "check_journal", "config_digest", "earlier_config_digests", "finished_prompts",
                      "journal_header", "read_journal", "run_from_dict", "run_to_dict", "weights_digest"], "journal"),
-    **dict.fromkeys(["markdown_table", "same_length_summary", "write_results"], "report"),
+    **dict.fromkeys(["markdown_table", "same_length_summary", "write_report", "write_results"], "report"),
     **dict.fromkeys(["benchmark", "run_bench", "summarise", "warm_up_arms"], "run"),
     **dict.fromkeys(["batched_table", "left_padded", "run_batched_bench", "write_batched_results"], "batched"),
 }

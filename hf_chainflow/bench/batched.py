@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hf_chainflow.checks import is_int
 from hf_chainflow.fileio import atomic_write_text
 from hf_chainflow.bench.arms import Arm, configure_drafter
 from hf_chainflow.bench.numerics import explain_mismatch
@@ -82,7 +83,7 @@ def run_batched_bench(models: dict[str, object], prompts: list[BenchPrompt], arm
                       progress: bool = True) -> dict:
     """Run `arms` (the `ar` arm and drafter arms; `pld` is batch-1 only and skipped) at every batch size of
     `batch_sizes` on `prompts`; see the module docstring for the numbers. Returns the results dict."""
-    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+    if not batch_sizes or any(not is_int(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"`--batch-sizes` must be positive integers, got {batch_sizes!r}.")
     if pad_token_id is None:
         pad_token_id = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id

@@ -1,28 +1,13 @@
 """Machine facts of a bench run: the CPU's identity, whether it has native bfloat16 matrix instructions (and the
-note printed before bfloat16 runs on one without), the library versions and the load."""
+note printed before bfloat16 runs on one without), the library versions and the load. The facts themselves are
+`hf_chainflow.machine`'s (re-exported here); the bfloat16 decisions built on them are the bench's."""
 
 from __future__ import annotations
 
-import os
-import platform
-
 import torch
 
-
-def bf16_matrix_instructions() -> dict[str, bool | None]:
-    """Whether this CPU has native bfloat16 matrix instructions (AMX tiles, AVX-512 BF16), as torch detects them;
-    `None` where this torch has no probe for one.
-
-    Without either, a bfloat16 forward over several tokens is far dearer than over one (measured on an AVX2-only
-    CPU: 13 tokens cost 4.6 single-token steps; with AVX-512 BF16, 1.2-1.4), which is what speculative
-    verification pays for.
-    """
-
-    def probe(name: str) -> bool | None:
-        fn = getattr(torch.cpu, name, None)
-        return bool(fn()) if callable(fn) else None
-
-    return {"amx_tile": probe("_is_amx_tile_supported"), "avx512_bf16": probe("_is_avx512_bf16_supported")}
+# The machine's facts live one layer down (the response corpus records them too); the bench's names stay here.
+from hf_chainflow.machine import bf16_matrix_instructions, cpu_identity, machine_info
 
 
 def lacks_bf16_matrix_instructions(bf16_support: dict[str, bool | None] | None = None) -> bool:
@@ -53,50 +38,6 @@ def bf16_hardware_note(bf16_support: dict[str, bool | None] | None = None,
             "the outputs are exact, several tokens cost less in proportion, and on one such CPU the shipped setting "
             "measured faster than the fastest plain generation (docs/results.md, \"A CPU without bfloat16 matrix "
             "instructions\").")
-
-
-def cpu_identity(cpuinfo: str) -> dict[str, str | int | None]:
-    """The first processor's `model name`, `vendor_id`, `cpu family` and `model` in `/proc/cpuinfo` text.
-
-    A virtual machine may show only a masked name ("AMD EPYC"); the family and model numbers still tell the
-    microarchitecture (AMD family 25 is Zen 3 / Zen 4, e.g. model 17 Zen 4 "Genoa"), which decides the bfloat16 kernels.
-    """
-    fields = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break  # end of the first processor's block
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-
-    def number(key: str) -> int | None:
-        value = fields.get(key, "")
-        return int(value) if value.isdigit() else None
-
-    return {"name": fields.get("model name"), "vendor": fields.get("vendor_id"), "family": number("cpu family"),
-            "model": number("model")}
-
-
-def machine_info() -> dict:
-    """What the numbers were measured on."""
-    import transformers
-
-    identity = cpu_identity("")
-    try:
-        with open("/proc/cpuinfo") as f:
-            identity = cpu_identity(f.read())
-    except OSError:
-        pass
-    info = {"platform": platform.platform(), "cpu": identity["name"] or platform.processor(),
-            "cpu_vendor": identity["vendor"], "cpu_family": identity["family"], "cpu_model": identity["model"],
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16_matrix_instructions": bf16_matrix_instructions(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
-    if hasattr(os, "getloadavg"):
-        info["load_average_start"] = list(os.getloadavg())
-    return info
 
 
 __all__ = ["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "demo_dtype",

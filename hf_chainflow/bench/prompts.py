@@ -9,10 +9,14 @@ from pathlib import Path
 
 import torch
 
+from hf_chainflow.checks import check_positive_int
+
 
 def default_prompts_path() -> Path:
     """The evaluation prompts shipped inside the package (a copy of the project's `eval.jsonl`)."""
-    return Path(__file__).parents[1] / "data" / "eval_prompts.jsonl"
+    from hf_chainflow.training.prompts import shipped_prompts_path
+
+    return shipped_prompts_path()
 
 
 def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
@@ -20,8 +24,9 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
 
     A row that does not parse, lacks `id`, `domain` or `prompt`, or repeats an earlier row's `id` is refused with a
     `ValueError` naming the file and line: the bench journals, resumes and reports each prompt by its id, so two rows
-    of one id would be read back as one. An empty file is refused too."""
-    from hf_chainflow.training.data import parse_jsonl_line
+    of one id would be read back as one (the rule of every prompt loader,
+    `hf_chainflow.training.prompts.check_unique_id`). An empty file is refused too."""
+    from hf_chainflow.training.prompts import parse_jsonl_line
 
     path = Path(path) if path is not None else default_prompts_path()
     if not path.is_file():
@@ -47,15 +52,12 @@ def _checked_row(row: dict, path: Path, n: int, seen: dict[str, int]) -> dict:
     if isinstance(pid, bool) or not isinstance(pid, (str, int)) or not str(pid).strip():
         raise ValueError(f"{path}:{n}: `id` must be a non-empty string or an integer, got {pid!r}; give the row an "
                          "id of its own (the bench journals and reports each prompt by it).")
-    if str(pid) in seen:
-        raise ValueError(f"{path}:{n}: prompt id {str(pid)!r} is already the id of line {seen[str(pid)]}; every "
-                         "row needs an id of its own (the bench journals, resumes and reports prompts by id, so this "
-                         "row would be read back as a copy of that one). Give it another id, or delete it if it is "
-                         "a copy.")
+    from hf_chainflow.training.prompts import check_unique_id
+
+    check_unique_id(seen, str(pid), n, path=path, lines=True)
     for key in ("domain", "prompt"):
         if not isinstance(row[key], str):
             raise ValueError(f"{path}:{n}: `{key}` must be a string, got {row[key]!r}.")
-    seen[str(pid)] = n
     return row
 
 
@@ -64,8 +66,7 @@ def stratified_selection(rows: list[dict], limit: int | None) -> list[dict]:
     appears once `limit >= number of domains`; all rows when `limit` is None."""
     if limit is None:
         return list(rows)
-    if not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"`--limit` must be a positive integer, got {limit!r}.")
+    check_positive_int("--limit", limit)
     by_domain: dict[str, list[dict]] = {}
     for row in rows:
         by_domain.setdefault(row["domain"], []).append(row)

@@ -127,8 +127,20 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_report(output_dir: str | os.PathLike, results: dict, markdown: str) -> dict[str, Path]:
+    """Write a run's `results.json` (`results`) and `results.md` (`markdown`) into `output_dir` (made if absent),
+    each atomically (a kill leaves the old file or the new); the bench's and the vLLM bench's reports. Returns
+    `{"json": path, "md": path}`."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md"}
+    atomic_write_text(paths["json"], json.dumps(results, indent=1))
+    atomic_write_text(paths["md"], markdown)
+    return paths
+
+
 def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write `results.json`, `results.md`, `speedup_per_domain.png` and `acceptance_per_depth.png`."""
+    """Write `results.json`, `results.md` (`write_report`), `speedup_per_domain.png` and `acceptance_per_depth.png`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,11 +148,8 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     import numpy as np
 
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "md": out / "results.md", "speedup_png": out / "speedup_per_domain.png",
+    paths = {**write_report(out, results, markdown_table(results)), "speedup_png": out / "speedup_per_domain.png",
              "acceptance_png": out / "acceptance_per_depth.png"}
-    atomic_write_text(paths["json"], json.dumps(results, indent=1))  # a kill leaves the old file or the new
-    atomic_write_text(paths["md"], markdown_table(results))
 
     arms = {k: a for k, a in results["arms"].items() if a["kind"] != "ar"}
     groups = results["domains"] + ["all"]
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["markdown_table", "same_length_summary", "write_results"]
+__all__ = ["markdown_table", "same_length_summary", "write_report", "write_results"]
 
 
 if __name__ == "__main__":

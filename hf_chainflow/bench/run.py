@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from hf_chainflow.checks import check_positive_int
 from hf_chainflow.fileio import FolderLock
 from hf_chainflow.generation.stats import SpeculativeStats
 from hf_chainflow.bench.arms import Arm, Run, build_arms, configure_drafter, run_arm
@@ -87,8 +88,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     if repeated:
         raise ValueError(f"Prompt ids must be unique (each prompt is journaled and reported by its id), got "
                          f"{repeated} more than once; give each prompt its own id.")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"`--max-new-tokens` must be a positive integer, got {max_new_tokens!r}.")
+    check_positive_int("--max-new-tokens", max_new_tokens)
     if not tie_tolerance >= 0:
         raise ValueError(f"`--tie-tolerance` must be >= 0 (logits), got {tie_tolerance!r}.")
     for arm in arms:
@@ -267,8 +267,9 @@ def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, li
 
 def warm_up_arms(arms: list[Arm], drafters: dict[str, dict[str, object]], compile_drafting: bool | None) -> dict:
     """Set `compile_drafting` on every drafter (`None`: keep its own) and compile the drafting rounds of every
-    speculative arm (`ChainFlowDrafter.warm_up_drafting`), outside any timed region. Returns, per drafter name,
-    `{"compile_drafting", "dtype", "serving_head_dtype", "compile_seconds"}` (the record of the run)."""
+    speculative arm (`hf_chainflow.generation.drafting.warm_up_drafting`), outside any timed region. Returns, per
+    drafter name, `{"compile_drafting", "dtype", "serving_head_dtype", "compile_seconds"}` (the record of the run)."""
+    from hf_chainflow.generation.drafting import warm_up_drafting
     from hf_chainflow.generation.settings import SpeculativeSettings
 
     if compile_drafting is not None and not isinstance(compile_drafting, bool):
@@ -289,7 +290,8 @@ def warm_up_arms(arms: list[Arm], drafters: dict[str, dict[str, object]], compil
         drafter = drafters[arm.drafter][arm.dtype]
         configure_drafter(drafter, arm)
         with torch.inference_mode():
-            record[arm.drafter]["compile_seconds"] += drafter.warm_up_drafting(SpeculativeSettings.from_drafter(drafter))
+            settings = SpeculativeSettings.from_drafter(drafter)
+            record[arm.drafter]["compile_seconds"] += warm_up_drafting(drafter, settings)
     return record
 
 

@@ -10,6 +10,7 @@ import time
 import torch
 
 from hf_chainflow.bench.defaults import DEFAULT_TIE_TOLERANCE
+from hf_chainflow.checks import check_positive_int
 from hf_chainflow.bench.numerics import explain_mismatch
 from hf_chainflow.generation.stats import SpeculativeStats
 
@@ -66,8 +67,7 @@ def run_demo(target, tokenizer, drafter, prompts=DEMO_PROMPTS, *, mode: str | No
 
     if mode not in (None, "chain", "tree"):
         raise ValueError(f"`--mode` must be 'chain' or 'tree', got {mode!r}.")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"`--max-new-tokens` must be a positive integer, got {max_new_tokens!r}.")
+    check_positive_int("--max-new-tokens", max_new_tokens)
     if not prompts:
         raise ValueError("`prompts` is empty: give at least one prompt.")
     g = drafter.generation_config

@@ -59,7 +59,7 @@ def run_eval_offline(args: argparse.Namespace) -> int:
     check_output_dir("--out", args.out)
     import torch
 
-    from hf_chainflow.training.data import check_prepared_data
+    from hf_chainflow.training.prepared_data import check_prepared_data
     from hf_chainflow.training.workflows import evaluate_drafter
 
     check_prepared_data(args.data, shards=args.shards)  # its manifest, shortlist and shards, before any model loads

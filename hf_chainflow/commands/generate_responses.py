@@ -69,9 +69,11 @@ def run_generate_responses(args: argparse.Namespace) -> int:
         raise usage_error("generate-responses", "give --prompts (or --flush).")
     check_model_source("--target", args.target, ("smollm2-135m-instruct",))
     _check_corpus_folder(args.corpus)
-    rows = corpora.read_prompt_source(args.prompts, prompt_column=args.prompt_column, split=args.prompts_split)
-    selection = corpora.select_prompts(rows, domains=args.domains, per_domain=args.per_domain, seed=args.seed,
-                                       exclude=corpora.evaluation_prompt_ids())
+    from hf_chainflow.training.prompts import evaluation_prompt_ids, read_prompt_source, select_prompts
+
+    rows = read_prompt_source(args.prompts, prompt_column=args.prompt_column, split=args.prompts_split)
+    selection = select_prompts(rows, domains=args.domains, per_domain=args.per_domain, seed=args.seed,
+                               exclude=evaluation_prompt_ids())
     if not selection:
         raise ValueError(_nothing_selected(args, rows))
     with corpora.writer_lock(args.corpus):
@@ -118,8 +120,9 @@ def _flush(args: argparse.Namespace, rank: int) -> int:
 def _generate(args: argparse.Namespace, selection: list[dict], rank: int, world: int) -> dict:
     import torch
 
-    from hf_chainflow.training import corpus as corpora
     from hf_chainflow.targets import load_model_and_tokenizer
+    from hf_chainflow.training import corpus as corpora
+    from hf_chainflow.training.responses import generate_into_corpus
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,6 +135,5 @@ def _generate(args: argparse.Namespace, selection: list[dict], rank: int, world:
         "excluded": "the evaluation prompts (hf_chainflow/data/eval_prompts.jsonl)",
         "prompts_selected": len(selection)})
     settings = corpora.GenerationSettings.here(args.dtype, device, max_new_tokens=args.max_new_tokens)
-    return corpora.generate_into_corpus(model, tokenizer, selection, corpus, settings, batch_size=args.batch_size,
-                                        shard_size=args.shard_size, rank=rank, world_size=world,
-                                        max_prompts=args.max_prompts)
+    return generate_into_corpus(model, tokenizer, selection, corpus, settings, batch_size=args.batch_size,
+                                shard_size=args.shard_size, rank=rank, world_size=world, max_prompts=args.max_prompts)

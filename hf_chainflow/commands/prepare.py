@@ -1,5 +1,5 @@
 """`hf-chainflow prepare`: generate (or take) a target's greedy responses and cache its hidden states
-(`hf_chainflow.training.data.prepare`).
+(`hf_chainflow.training.prepare.prepare`).
 
     hf-chainflow prepare --responses responses.jsonl --out DIR     # cache hidden states of given responses
     hf-chainflow prepare --prompts prompts.jsonl --out DIR         # generate greedy responses first
@@ -63,7 +63,9 @@ def add_prepare_parser(sub) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     import torch
 
-    from hf_chainflow.training.data import MANIFEST, load_prompts, load_responses, prepare, read_manifest
+    from hf_chainflow.training.prepared_data import MANIFEST, read_manifest
+    from hf_chainflow.training.prompts import load_prompts, load_responses
+    from hf_chainflow.training.prepare import prepare
     from hf_chainflow.targets import load_model_and_tokenizer
 
     if args.threads:

@@ -25,6 +25,7 @@ import argparse
 import functools
 from pathlib import Path
 
+from hf_chainflow.checks import is_int, is_number
 from hf_chainflow.cli_args import (check_model_source, check_output_dir, check_writable_output, parse_shards,
                                    usage_error)
 
@@ -173,7 +174,7 @@ _TRAIN_NUMBERS = {
     "epochs": (0, False, False), "batch_size": (1, True, False), "lr": (0, False, False), "grad_accum": (1, True, False),
     "logging_steps": (1, True, False), "save_steps": (1, True, False), "save_total_limit": (1, True, False),
     "lora_rank": (1, True, False), "vae_pretrain_steps": (0, True, False), "vae_lr_ratio": (0, False, False),
-    "num_workers": (0, True, False), "train_flow_steps": (1, True, True), "max_windows": (1, True, True),
+    "num_workers": (0, True, False), "max_windows": (1, True, True),
     "threads": (1, True, True), "seed": (None, True, False),
 }
 
@@ -185,14 +186,20 @@ def _check_train_numbers(opts: dict) -> None:
         if value is None and optional:
             continue
         kind = "an integer" if integer else "a number"
-        ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+        ok = is_int(value) if integer else is_number(value)
         if ok and low is not None:
             ok = value >= low if integer or low else value > 0
         if not ok:
             rule = "" if low is None else (f" >= {low}" if integer else " > 0")
             raise usage_error("train", f"--{key.replace('_', '-')} must be {kind}{rule}, got {value!r}.")
+    from hf_chainflow.training.arguments import check_train_flow_steps
+
+    try:  # the rule `ChainFlowTrainingArguments` applies, checked here before anything loads
+        check_train_flow_steps(opts["train_flow_steps"], "--train-flow-steps")
+    except ValueError as err:
+        raise usage_error("train", str(err)) from None
     steps = opts["max_steps"]
-    if not isinstance(steps, int) or isinstance(steps, bool) or (steps != -1 and steps < 1):
+    if not is_int(steps) or (steps != -1 and steps < 1):
         raise usage_error("train", f"--max-steps must be a positive integer (or -1: train for --epochs), got "
                           f"{steps!r}.")
 
@@ -202,7 +209,7 @@ def _check_field_names(opts: dict) -> None:
     import dataclasses
 
     from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfig
-    from hf_chainflow.training.trainer import ChainFlowTrainingArguments
+    from hf_chainflow.training.arguments import ChainFlowTrainingArguments
 
     checks = (("--drafter-arg", "drafter", set(ChainFlowConfig.__annotations__), "ChainFlowConfig"),
               ("--training-arg", "training_args", {f.name for f in dataclasses.fields(ChainFlowTrainingArguments)},

@@ -17,13 +17,15 @@ from typing import Any
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from hf_chainflow.generation import drafting
 from hf_chainflow.generation.settings import SpeculativeSettings
 from hf_chainflow.generation.stats import SpeculativeStats
 from hf_chainflow.generation.verification import select_target_states
 
 
 class ChainFlowCandidateGenerator(CandidateGenerator):
-    """Chain candidates from a ChainFlow drafter (or any object with the same `draft` method).
+    """Chain candidates from a ChainFlow drafter (or any object with the same `draft` method), drafted with
+    `hf_chainflow.generation.drafting.draft`.
 
     Args:
         drafter: a bound [`ChainFlowDrafter`] (or `hf_chainflow.testing.OracleDrafter`).
@@ -92,7 +94,7 @@ class ChainFlowCandidateGenerator(CandidateGenerator):
             return input_ids, None
         start = time.perf_counter()
         draft = self.settings.draft_kwargs(room)
-        tree = self.drafter.draft(self.states, input_ids, **draft)
+        tree = drafting.draft(self.drafter, self.states, input_ids, **draft)
         self.stats.draft_time += time.perf_counter() - start
         self._pending_depth = draft["num_tokens"]
         candidates = torch.cat([input_ids, tree.tokens.to(input_ids.device)[None]], 1)

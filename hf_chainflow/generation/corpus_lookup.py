@@ -2,8 +2,8 @@
 
 Prompt lookup (`hf_chainflow.generation.prompt_lookup`) copies from the text in front of the target; corpus lookup copies from what
 the target wrote for other prompts. A `ContinuationTable` is built once from the corpus of the target's responses
-(`hf_chainflow.training.corpus`): for every n-gram of `min_ngram .. max_ngram` tokens seen at least `min_count` times, the
-token that followed it most often. A draft branch is read from it greedily, one token at a time, each from the
+(`hf_chainflow.training.corpus`; built by `hf_chainflow.training.corpus_lookup.table_from_corpus`): for every n-gram
+of `min_ngram .. max_ngram` tokens seen at least `min_count` times, the token that followed it most often. A draft branch is read from it greedily, one token at a time, each from the
 longest n-gram of the committed tokens (plus the tokens already proposed) that the table holds, until no n-gram
 matches or the branch is `num_tokens` long.
 
@@ -22,27 +22,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-
-def token_bits(vocab_size: int) -> int:
-    """Bits per packed token: enough for `token + 1` with `0 <= token < vocab_size`."""
-    return max(1, int(vocab_size).bit_length())
-
-
-def check_table_shape(vocab_size: int, min_ngram: int, max_ngram: int, min_count: int = 1, *,
-                      prefix: str = "") -> None:
-    """The rules of a table's sizes (`ValueError` naming the value, the rule and the fix); `prefix` names the
-    fields as their owner does (the drafter config's `continuation_min_ngram`, ...)."""
-    for name, value in (("vocab_size", vocab_size), (f"{prefix}min_ngram", min_ngram),
-                        (f"{prefix}max_ngram", max_ngram), ("min_count", min_count)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    if min_ngram > max_ngram:
-        raise ValueError(f"`{prefix}min_ngram` ({min_ngram}) cannot exceed `{prefix}max_ngram` ({max_ngram}).")
-    bits = token_bits(vocab_size)
-    if max_ngram * bits > 64:
-        raise ValueError(f"`{prefix}max_ngram` ({max_ngram}) n-grams of a {vocab_size}-token vocabulary need "
-                         f"{max_ngram * bits} bits, more than a 64-bit key holds; use `{prefix}max_ngram` <= "
-                         f"{64 // bits}.")
+from hf_chainflow.models.chainflow.checks import check_table_shape, token_bits  # noqa: F401  (re-exported)
 
 
 def pack_ngrams(windows: np.ndarray, bits: int) -> np.ndarray:
@@ -143,29 +123,4 @@ class ContinuationTable:
         return committed.new_tensor(out) if out else None
 
 
-def table_from_corpus(corpus, *, split: str = "train", prompt_tail: int = 4, min_ngram: int = 2,
-                      max_ngram: int | None = None, min_count: int = 2) -> ContinuationTable:
-    """The continuation table of a corpus of the target's responses (`hf_chainflow.training.corpus.ResponseCorpus` or its
-    folder): every greedy response of `split`, after the last `prompt_tail` tokens of its prompt (the chat template's
-    assistant header, so that a response's first tokens have a context too). `max_ngram` None: the longest that
-    fits a 64-bit key, at most 4."""
-    from hf_chainflow.training.corpus import ResponseCorpus
-
-    if not isinstance(prompt_tail, int) or isinstance(prompt_tail, bool) or prompt_tail < 0:
-        raise ValueError(f"`prompt_tail` must be a non-negative integer (prompt tokens kept before each response), "
-                         f"got {prompt_tail!r}.")
-    corpus = corpus if isinstance(corpus, ResponseCorpus) else ResponseCorpus(corpus)
-    vocab = corpus.vocab_size
-    if max_ngram is None:
-        max_ngram = max(min_ngram, min(4, 64 // token_bits(vocab)))
-    rows = [r for r in corpus.table(split, ["prompt_ids", "response_ids", "do_sample"]).to_pylist()
-            if not r["do_sample"]]
-    if not rows:
-        raise ValueError(f"The corpus {str(corpus.path)!r} holds no greedy `{split}` responses; generate some first "
-                         f"(`hf-chainflow generate-responses`).")
-    return ContinuationTable.build(((r["prompt_ids"][-prompt_tail:] if prompt_tail else []) + r["response_ids"]
-                                    for r in rows), vocab_size=vocab, min_ngram=min_ngram, max_ngram=max_ngram,
-                                   min_count=min_count)
-
-
-__all__ = ["ContinuationTable", "check_table_shape", "pack_ngrams", "table_from_corpus", "token_bits"]
+__all__ = ["ContinuationTable", "check_table_shape", "pack_ngrams", "token_bits"]

@@ -7,7 +7,7 @@ is fixed by the settings and `T`, and nothing in it reads a tensor's value in Py
 traces it into one graph.
 
 `CompiledDraftingRound` keeps one compiled round per key (settings, flow steps, input shapes and dtypes); the
-first call of a key compiles it (`compile_time` adds up those seconds; call `ChainFlowDrafter.warm_up_drafting`
+first call of a key compiles it (`compile_time` adds up those seconds; call `drafting.warm_up_drafting`
 before timing). Where the platform cannot compile (inductor's backend fails, e.g. no C++ compiler), it warns once
 and runs the same function eagerly.
 """

@@ -26,7 +26,7 @@ subclass whose ``forward`` takes the tree path when the `TREE_KWARG` kwarg is pr
 
 The maths runs on a batch: one tree shared by every row (`parents` `(n,)`, what `hf_chainflow.generation.verification` uses
 for batch size 1) or one tree per row (`parents` `(B, n)`, `ancestors` `(B, n, n)`: the batched loop of
-`hf_chainflow.generation.batch_verification`, where every row has its own draft); commits then take one accepted input per row.
+`hf_chainflow.generation.verification`, where every row has its own draft); commits then take one accepted input per row.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class _GDNRecord:
     def state(self, node: int | torch.LongTensor) -> torch.Tensor:
         """Recurrent state after flattened input `node` (0 = root; an int for every row, or one per row `(B,)`),
         `(B, HV, dk, dv)` in fp32."""
+        if not isinstance(node, torch.Tensor) and self.ancestors.dim() == 3:  # one tree per row: the same input in each
+            node = torch.full((self.ancestors.shape[0],), node, dtype=torch.long, device=self.ancestors.device)
         if isinstance(node, torch.Tensor):
             return self._row_states(node)
         if self.method == "fork":

@@ -1,21 +1,26 @@
-"""hf_chainflow's own speculative decoding loop (tree drafts, hybrid targets, exact stopping).
+"""hf_chainflow's own speculative decoding loop: one loop over a batch of rows, a single prompt being a batch of one.
 
-It is reached through `target.generate(..., assistant_model=drafter)` when the draft mode or the target needs it
-(see `hf_chainflow.generation.hook`), or directly as transformers' `custom_generate` hook:
+It is reached through `target.generate(..., assistant_model=drafter)` when the draft mode, the target or the batch
+needs it (see `hf_chainflow.generation.hook`), or directly as transformers' `custom_generate` hook:
 
     target.generate(**inputs, custom_generate=hf_chainflow.speculative_generate, drafter=drafter)
 
-transformers prepares inputs, the cache, logits processors and stopping criteria; the loop then runs:
+transformers prepares inputs, the cache, logits processors and stopping criteria; the loop then runs, every row
+drafting, being verified and committing its own accepted length each round (ragged acceptance):
 
-    1. prefill      the prompt in one forward -> first token (the root of round 1), committed states
-    2. draft        one drafter pass -> a chain or a tree (+ optional prompt- and corpus-lookup branches)
-    3. verify       one target forward over [root] + draft nodes (ancestor mask, depth positions)
-    4. accept       greedy path matching / rejection sampling on processed logits: a sampled chain against its
-                    draft distribution q, any other draft (a tree, a lookup branch) child by child as fixed proposals
-    5. emit         accepted tokens + the target's bonus token, one at a time through the stopping criteria
-    6. compact      the cache keeps the committed prefix + accepted path; hybrid states of the last accepted node
+    1. prefill      the (left-padded) batch in one forward -> each row's first token (its round-1 root) and states
+    2. draft        the proposer: one draft per row still generating (a chain or a tree, plus prompt- and
+                    corpus-lookup branches; `hf_chainflow.generation.proposers`), each within the row's room
+    3. verify       one target forward over every row's [root] + nodes (`verification.verify_forward_batch`)
+    4. accept       per row, on its own processed logits: greedy path matching, or rejection sampling (a sampled
+                    chain against its draft distribution q, any other draft child by child as fixed proposals)
+    5. emit         per row, accepted tokens + the target's bonus token, one at a time through the stopping criteria
+    6. commit       per row, the cache keeps its root + accepted path (hybrid states of the last accepted node);
+                    the proposer keeps their states; finished rows leave the batch
 
-The per-round maths live in `hf_chainflow.generation.verification`; this module only sequences them.
+The per-round maths live in `hf_chainflow.generation.verification` and `hf_chainflow.generation.acceptance`; this
+module only sequences them. The output has transformers' shape: `(B, L + longest)`, rows that stopped earlier filled
+with the pad token, as plain batched `generate` fills them.
 """
 
 from __future__ import annotations
@@ -24,18 +29,16 @@ import time
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_chainflow.generation.batch_loop import batch_speculative_generate
-from hf_chainflow.generation.prompt_lookup import next_lookup_length, round_branches
+from hf_chainflow.generation import acceptance, verification
+from hf_chainflow.generation.proposers import Row, make_proposer
 from hf_chainflow.generation.settings import SpeculativeSettings, validate_speculative_call
 from hf_chainflow.generation.stats import SpeculativeStats
-from hf_chainflow.generation.tree import DraftTree
-from hf_chainflow.generation.verification import (accept_round, choose_token, commit, process_row, processed_rows, select_target_states,
-                           verify_forward)
+from hf_chainflow.generation.verification import RaggedRows, select_target_states
 
-
-_process, _processed_rows = process_row, processed_rows  # the loop's names (profiling scripts wrap them)
+__all__ = ["speculative_generate"]
 
 
 @torch.no_grad()
@@ -51,25 +54,26 @@ def speculative_generate(
     chainflow_settings: SpeculativeSettings | None = None,
     **model_kwargs,
 ):
-    """Speculative generation with a ChainFlow drafter in hf_chainflow's own loop (a batch of more than one row, or
-    a left-padded prompt, runs in `hf_chainflow.generation.batch_loop`).
+    """Speculative generation with a ChainFlow drafter in hf_chainflow's own loop, for one prompt or a batch.
 
     Args:
         model: the target (`transformers` causal LM; dense or Qwen3.5/Qwen3-Next hybrid).
         drafter: a `ChainFlowDrafter` bound to `model` (`generate` binds an unbound one), or an `OracleDrafter`;
             drafting settings come from `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`,
             `tree_width`, `tree_depth`, `tree_budget`, `num_flow_steps`, and the prompt-lookup branch
-            `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see `hf_chainflow.generation.prompt_lookup`;
-            the corpus-lookup branch `corpus_lookup_num_tokens`: see `hf_chainflow.generation.corpus_lookup`).
-        chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`).
+            `lookup_num_tokens`, `lookup_ngram`, `lookup_trust_ngram`, `lookup_max_tokens`: see
+            `hf_chainflow.generation.prompt_lookup`; the corpus-lookup branch `corpus_lookup_num_tokens`: see
+            `hf_chainflow.generation.corpus_lookup`).
+        chainflow_streamer: a transformers streamer (passed as `streamer=` to `generate`; one prompt only).
         gdn_method: hybrid targets' Gated DeltaNet tree back-end, `"chunk"` or `"fork"`.
         chainflow_settings: the call's drafting settings, read and checked by hf_chainflow's `generate` with the
-            rest of the call (set by `generate`; without them, the loop reads and checks them itself).
+            rest of the call (set by `generate`; without them, the loop reads and checks the call itself).
 
-    Returns the sequences `(B, L')`, or a `GenerateDecoderOnlyOutput` with `sequences` when
-    `return_dict_in_generate=True`.  Statistics are left in `drafter.last_stats`.
+    Returns the sequences `(B, L')`, or a `GenerateDecoderOnlyOutput` with `sequences` (and, for one unpadded
+    prompt, the `cache`: a batch's rows leave it as they finish) when `return_dict_in_generate=True`. Statistics are
+    left in `drafter.last_stats`.
     """
-    # 0. Inputs, checked up front.
+    # 0. Inputs: the call is checked once, by `generate` (or here when the loop is called without it).
     if logits_processor is None or stopping_criteria is None or generation_config is None:
         raise ValueError(
             "`speculative_generate` is a `custom_generate` loop: it takes the logits processors, stopping criteria "
@@ -83,106 +87,128 @@ def speculative_generate(
     if settings is None:  # reached without hf_chainflow's `generate` (which checks the call and passes the settings)
         settings = SpeculativeSettings.from_drafter(drafter, generation_config)
         validate_speculative_call(model, drafter, generation_config, input_ids,
-                                  {**model_kwargs, "gdn_method": gdn_method}, own_loop=True)
+                                  {**model_kwargs, "gdn_method": gdn_method, "streamer": chainflow_streamer},
+                                  own_loop=True)
     mask = model_kwargs.get("attention_mask")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         raise ValueError("`speculative_generate` needs the cache that `generate` prepares (use_cache=True).")
-    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):  # a batch, or a left-padded prompt
-        return batch_speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                          drafter, settings, cache, attention_mask=mask,
-                                          streamer=chainflow_streamer, gdn_method=gdn_method)
-    do_sample = settings.do_sample
-    max_length = generation_config.max_length
-    context_size = drafter.context_size
-    layers = getattr(drafter, "state_layers", ())  # fused target layers (`target_layer_ids`); none: final states
-    stats = SpeculativeStats(mode=settings.mode, loop="chainflow")
-    drafter.last_stats = stats
+    B, L = input_ids.shape
+    padded = mask is not None and not bool(mask.all())
+    single = B == 1 and not padded  # one unpadded prompt: its cache stays whole, its stats are the row's own
+    pad = generation_config._pad_token_tensor
+    if B > 1 and pad is None and any(not isinstance(c, MaxLengthCriteria) for c in stopping_criteria):
+        raise ValueError("Rows of a batch that stop at different lengths (EOS, stop strings, stopping criteria) are "
+                         "filled with the pad token, but neither `pad_token_id` nor `eos_token_id` is set: pass "
+                         "`pad_token_id=` to `generate`.")
+    do_sample, max_length = settings.do_sample, generation_config.max_length
+    proposer = make_proposer(drafter, settings, single)
+    row_stats = [SpeculativeStats(mode=settings.mode, loop="chainflow") for _ in range(B)]
+    stats = SpeculativeStats(mode=settings.mode, loop="chainflow")  # the call's times
+    drafter.last_stats = row_stats[0] if single else SpeculativeStats.pooled(row_stats, 0, mode=settings.mode,
+                                                                             loop="chainflow")
     streamer = chainflow_streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def stop_now(ids: torch.LongTensor) -> bool:
-        return bool(stopping_criteria(ids, None).any())  # generate's criteria: max length, EOS, stop strings, ...
+    def stop_now(ids: torch.LongTensor) -> bool:  # generate's criteria: max length, EOS, stop strings, ...
+        return bool(stopping_criteria(ids[None], None).any())
 
-    # 1. Prefill.
+    # 1. Prefill: a padded batch counts each row's positions from its first token, as `generate` does; logits of
+    #    the last position only (a full (L, V) projection of the prompt is wasted work).
     start = time.perf_counter()
-    # Logits of the last position only, as `generate` does: a full (L, V) projection of the prompt is wasted work
-    # that grows with the prompt.
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    states = select_target_states(out.hidden_states, layers)[:, -context_size:]  # (1, <=C, D or (1 + m) D)
-    first = choose_token(_process(logits_processor, input_ids[0], out.logits[0, -1]), do_sample)
-    ids = torch.cat([input_ids, input_ids.new_tensor([[first]])], 1)
+    padding = {}
+    if padded:
+        padding = {"attention_mask": mask, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                **padding)
+    rows = RaggedRows.from_attention_mask(torch.ones_like(input_ids) if mask is None else mask)
+    pads = list(rows.starts)  # left padding of each row in the output
+    proposer.begin(select_target_states(out.hidden_states, proposer.state_layers), pads)  # (B, L, D')
+    seqs = []
+    for b in range(B):
+        row = acceptance.process_row(logits_processor, input_ids[b], out.logits[b, -1])
+        seqs.append(torch.cat([input_ids[b], input_ids.new_tensor([acceptance.choose_token(row, do_sample)])]))
     stats.prefill_time = time.perf_counter() - start
     if streamer is not None:
-        streamer.put(ids[:, -1:].cpu())
-    done = stop_now(ids)
+        streamer.put(seqs[0][-1:].cpu())
+    done = [stop_now(s) for s in seqs]
+    active = [b for b in range(B) if not done[b]]  # rows still generating, in the cache's row order
+    if active and len(active) < B:
+        verification.select_rows(cache, rows, active)
+        proposer.select(active)
 
-    lookup_len = settings.lookup_num_tokens  # grows on fully accepted trusted branches (`lookup_max_tokens`)
-    table = drafter.continuation_table if settings.corpus_lookup_num_tokens is not None else None
-    while not done:
-        # 2. Draft (never past max_length: a round adds accepted + 1 tokens).
+    while active:
+        # 2. Draft: one draft per active row, never past its max_length (a round adds accepted + 1 tokens).
         start = time.perf_counter()
-        room = max_length - ids.shape[1] - 1
-        branches = round_branches(ids[0], room, lookup_len, settings, table)
-        lookup, trusted = branches.lookup, branches.trusted
-        if room < 1:
-            tree = DraftTree.empty(ids.device)
-        elif trusted:  # a long match: verify the looked-up branch alone, no drafter pass
-            tree = DraftTree.chain(lookup)
-        else:
-            tree = drafter.draft(states, ids, **settings.draft_kwargs(room))
-            if lookup is not None:
-                tree = tree.with_chain(lookup)
-        if branches.recalled is not None:
-            tree = tree.with_chain(branches.recalled)
-        stats.record_branches(branches)
+        round_rows = [Row(b, seqs[b][pads[b]:], max_length - seqs[b].shape[0] - 1) for b in active]
+        drafts = proposer.propose(round_rows)
+        for r, d in zip(round_rows, drafts):
+            row_stats[r.index].record_branches(d.branches)
         stats.draft_time += time.perf_counter() - start
 
-        # 3. Verify: one target forward over [root] + nodes.
+        # 3. Verify: one target forward over every active row's [root] + nodes.
         start = time.perf_counter()
-        past_len = ids.shape[1] - 1
-        result = verify_forward(model, cache, ids[0, -1], tree, method=gdn_method, state_layers=layers)
-        rows = _processed_rows(logits_processor, ids[0], tree, result.logits)  # (n, V)
+        trees = [d.tree for d in drafts]
+        result = verification.verify_forward_batch(model, cache, rows, [int(seqs[b][-1]) for b in active], trees,
+                                                   method=gdn_method, state_layers=proposer.state_layers)
+        stats.forwards += 1
+        paths, counts, kept = [], [], []
+        for i, b in enumerate(active):
+            tree = trees[i]
+            processed = acceptance.processed_rows(logits_processor, seqs[b], tree,
+                                                  result.logits[i, : tree.num_nodes + 1])
 
-        # 4. Accept.
-        acc = accept_round(tree, rows, do_sample)
+            # 4. Accept (per row, on its own processed logits).
+            acc = acceptance.accept_round(tree, processed, do_sample)
 
-        # 5. Emit accepted tokens and the bonus, one at a time through the stopping criteria.
-        new_tokens = [int(t) for t in tree.tokens[acc.nodes].tolist()] + [int(acc.bonus)]
-        emitted = 0
-        for token in new_tokens:
-            ids = torch.cat([ids, ids.new_tensor([[token]])], 1)
-            emitted += 1
-            if stop_now(ids):
-                done = True
-                break
-        if streamer is not None:
-            streamer.put(ids[:, -emitted:].cpu())
+            # 5. Emit, one token at a time through the stopping criteria.
+            new_tokens = [int(t) for t in tree.tokens[acc.nodes].tolist()] + [int(acc.bonus)]
+            emitted = 0
+            for token in new_tokens:
+                seqs[b] = torch.cat([seqs[b], seqs[b].new_tensor([token])])
+                emitted += 1
+                if stop_now(seqs[b]):
+                    done[b] = True
+                    break
+            if streamer is not None:
+                streamer.put(seqs[b][-emitted:].cpu())
+            # The cache keeps the root + the accepted nodes that were emitted (all of them unless a stop came
+            # first), so that it always holds the sequence but its last token, as after plain `generate`. A round
+            # with an empty draft (one token left before max_length) is still a target forward: it counts in tau
+            # with 0 accepted tokens and drafted depth 0 (so per-depth acceptance is unchanged).
+            paths.append(acc.nodes[: emitted - 1])
+            counts.append(len(acc.nodes))
+            kept.append(result.hidden_states[i, [0] + [j + 1 for j in paths[-1]]])  # (m + 1, D')
+            row_stats[b].record_round(len(acc.nodes), tree.max_depth)
+        proposer.accepted(round_rows, drafts, counts)
 
-        if trusted and settings.lookup_max_tokens is not None:  # a copy that held: try a longer one next time
-            lookup_len = next_lookup_length(lookup_len, len(acc.nodes), tree.num_nodes,
-                                            settings.lookup_num_tokens, settings.lookup_max_tokens)
-
-        # 6. Compact the cache to prefix + root + the accepted nodes that were emitted (all of them unless a stop
-        #    came first), so that the cache always holds the sequence but its last token, as after plain `generate`;
-        #    roll the committed states forward.
-        committed = acc.nodes[: emitted - 1]
-        commit(model, cache, past_len, committed, result.handle)
-        if not done:
-            kept = result.hidden_states[[0] + [i + 1 for i in committed]][None]  # (1, m+1, D)
-            states = torch.cat([states, kept.to(states.dtype)], 1)[:, -context_size:]
+        # 6. Commit: each row keeps its root + accepted path, the proposer their states; finished rows leave.
+        verification.commit_batch(model, cache, rows, paths, result.handle)
+        proposer.commit(round_rows, kept)
+        keep = [i for i, b in enumerate(active) if not done[b]]
+        if keep and len(keep) < len(active):
+            verification.select_rows(cache, rows, keep)
+            proposer.select(keep)
+        active = [active[i] for i in keep]
         stats.verify_time += time.perf_counter() - start
-        # A round with an empty draft (one token left before max_length) is still a target forward: it counts in
-        # tau with 0 accepted tokens and drafted depth 0 (so per-depth acceptance is unchanged).
-        stats.record_round(len(acc.nodes), tree.max_depth)
 
-    stats.new_tokens = ids.shape[1] - input_ids.shape[1]
+    # 7. Output: transformers' shape, rows that stopped earlier filled with the pad token.
+    width = max(s.shape[0] for s in seqs)
+    sequences = input_ids.new_full((B, width), 0 if pad is None else int(pad))
+    for b, s in enumerate(seqs):
+        sequences[b, : s.shape[0]] = s
+        row_stats[b].new_tokens = s.shape[0] - L
+    times = {"draft_time": stats.draft_time, "verify_time": stats.verify_time, "prefill_time": stats.prefill_time}
+    if single:
+        for name, value in times.items():
+            setattr(row_stats[0], name, value)
+        drafter.last_stats = row_stats[0]
+    else:
+        drafter.last_stats = SpeculativeStats.pooled(row_stats, stats.forwards, mode=settings.mode,
+                                                     loop="chainflow", **times)
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=ids, cache=cache)
-    return ids
-
-
-__all__ = ["speculative_generate"]
+        return GenerateDecoderOnlyOutput(sequences=sequences, cache=cache if single else None)
+    return sequences

@@ -1,7 +1,8 @@
 """Read-only bfloat16 weights packed once for oneDNN's CPU matrix product.
 
 Each drafting round multiplies a few states by the same large bfloat16 matrices: the two-pass head `(S, D)` and
-the folded feedback heads `(S, R + r)` (`ChainFlowDrafter.serving_head_weight`, `serving_feedback_weight`).
+the folded feedback heads `(S, R + r)` (`hf_chainflow.generation.serving.serving_head_weight`,
+`serving_feedback_weight`).
 `F.linear` hands such a product to oneDNN, which reorders the weight into its blocked layout on every call: for a
 handful of rows that reorder costs as much as the product. `PackedLinear` reorders once
 (`torch.ops.mkldnn._reorder_linear_weight`) and multiplies with the packed weight from then on.

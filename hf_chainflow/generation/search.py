@@ -1,14 +1,15 @@
 """Candidate search: a drafter pass's predicted states -> draft chains or trees, for a batch of windows at once.
 
-Serving (`ChainFlowDrafter.draft` / `search`, a batch of one) and the offline evaluation (`hf_chainflow.training.evaluation`,
-batches of cached windows) both call `candidate_search`. With `B` windows, `K` predicted states of size `D` each,
-`p = path_order` parents, the draft vocabulary of `S` rows and `M = candidate_budget`:
+Serving (`hf_chainflow.generation.drafting.draft` / `search`, a batch of one) and the offline evaluation
+(`hf_chainflow.training.evaluation`, batches of cached windows) both call `candidate_search`. With `B` windows, `K`
+predicted states of size `D` each, `p = path_order` parents, the draft vocabulary of `S` rows and
+`M = candidate_budget`:
 
 1. candidates: the head scores `W_S ĥ_d` of the drafted positions `(B, d, S)`; per window the `M` rows with the best
    score at any drafted position are its candidates (every row when `S <= M`) -- the two-pass head.
 2. levels `d = 1..depth`: every beam (`n_d` of them per window, `n_0 = 1`: the root, the bonus token) scores the
    candidates with Eq. 3 (head + path feedback + Markov bias, the feedback heads folded through the head rows, see
-   `ChainFlowDrafter.serving_feedback_weight`), keeps its `b` best tokens (chains 1, trees
+   `hf_chainflow.generation.serving.serving_feedback_weight`), keeps its `b` best tokens (chains 1, trees
    `min(tree_branching, tree_width)`), and the `w` best paths by cumulative log-probability (chains 1, trees
    `tree_width`) become the level's nodes: batched top-k and gathers, no loop over windows, beams or nodes.
 3. budget (trees with `tree_budget`): the `tree_budget` nodes of highest path log-probability, ties breadth-first
@@ -22,12 +23,12 @@ best and return `q`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from hf_chainflow.generation.packed_linear import PackedLinear
+from hf_chainflow.generation.serving import ServingTables, serving_tables
 from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.generation.tree import DraftTree, keep_most_probable, take_parents
 
@@ -53,39 +54,6 @@ class DraftBatch:
         """Window `i`'s draft as a `DraftTree`."""
         return DraftTree(tokens=self.tokens[i], parents=self.parents[i], depths=self.depths[i], logprobs=self.logprobs[i],
                          draft_probs=None if self.draft_probs is None else self.draft_probs[i])
-
-
-class ServingTables(NamedTuple):
-    """The tensors a search reads besides the drafter's layers, gathered once per round before it runs (so that the
-    search itself is a pure tensor function that `torch.compile` can trace; `ChainFlowDrafter.serving_tables`).
-
-    head (`(S, D)`): `serving_head_weight()`. folded: `serving_feedback_weight()` (`None`: term by term).
-    embed (`(V, D)`): the target's input embeddings. to_draft (`(V,)`): vocabulary id -> draft index (`None`: no
-    shortlist). to_token (`(S,)`): draft index -> vocabulary id (`None`: no shortlist). velocity: the velocity network
-    the round's transport integrates with (`serving_velocity()`; `None`: the drafter's default). head_linear,
-    folded_linear: `head` and `folded`'s matrix as `PackedLinear` (the same products, packed once for oneDNN where
-    that is bit for bit the same; `None`: `F.linear` with the tensors).
-    """
-
-    head: torch.Tensor
-    folded: tuple[torch.Tensor, torch.Tensor] | None
-    embed: torch.Tensor
-    to_draft: torch.Tensor | None
-    to_token: torch.Tensor | None
-    dtype: torch.dtype
-    velocity: object = None
-    head_linear: PackedLinear | None = None
-    folded_linear: PackedLinear | None = None
-
-    def embed_tokens(self, tokens):
-        """Frozen target embeddings of `tokens` `(...)` -> `(..., D)` in the drafter's dtype."""
-        return F.embedding(tokens, self.embed).to(self.dtype)
-
-    def draft_index(self, tokens):
-        return tokens if self.to_draft is None else self.to_draft[tokens]
-
-    def token(self, index):
-        return index if self.to_token is None else self.to_token[index]
 
 
 def level_sizes(settings: SearchSettings, branching: int) -> list[int]:
@@ -171,7 +139,7 @@ def candidate_search(drafter, states: torch.Tensor, committed: torch.LongTensor,
     token, the root) -> `DraftBatch`. `drafter` is a bound `ChainFlowDrafter`."""
     cfg = drafter.config
     tails = committed_tails(committed, cfg.path_order, cfg.pad_token_id or 0)  # (B, p)
-    return DraftBatch(*search_levels(drafter, drafter.serving_tables(), states, tails, settings))
+    return DraftBatch(*search_levels(drafter, serving_tables(drafter), states, tails, settings))
 
 
 def search_levels(drafter, tables: ServingTables, states: torch.Tensor, tails: torch.LongTensor,

@@ -1,7 +1,7 @@
 """The settings of a speculative call, read and checked once, and the checks of the call itself.
 
 - `SearchSettings`: what one drafting pass drafts (a chain of `num_tokens`, or a `tree_width x tree_depth` tree cut to
-  `tree_budget` nodes; sampled chains). `ChainFlowDrafter.draft` / `search`, the offline evaluation and
+  `tree_budget` nodes; sampled chains). `hf_chainflow.generation.drafting.draft` / `search`, the offline evaluation and
   `hf_chainflow.generation.search.candidate_search` take it.
 - `SpeculativeSettings`: what a `generate(assistant_model=drafter)` call drafts with, read from
   `drafter.generation_config` (`draft_mode`, `num_assistant_tokens`, `tree_width`, `tree_depth`, `tree_budget`,
@@ -22,6 +22,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from hf_chainflow.checks import is_int
+from hf_chainflow.models.chainflow.checks import check_num_flow_steps  # noqa: F401  (re-exported)
+
 DRAFT_MODES = ("chain", "tree")
 # Tree verification needs an arbitrary 4-D attention mask: flash attention cannot take one, flex attention needs a
 # `BlockMask`.
@@ -35,15 +38,14 @@ _ASSISTANT_CONFIG_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedu
 _CONFIG = "drafter.generation_config."
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_num_flow_steps(value, name: str = "num_flow_steps") -> None:
-    """Euler steps of a drafting pass: None (the drafter's `config.num_flow_steps`) or a positive integer."""
-    if value is not None and (not _is_int(value) or value < 1):
-        raise ValueError(f"`{name}` must be None (use the drafter's `config.num_flow_steps`) or a positive integer "
-                         f"(Euler steps per drafter pass), got {value!r}.")
+def _has_continuation_table(drafter) -> bool:
+    """Whether `drafter` holds a corpus-lookup table (`hf_chainflow.generation.drafting.continuation_table` reads
+    it): a ChainFlow drafter's config counts its entries (`continuation_table_size`, 0 without one); another drafter
+    object (`hf_chainflow.testing.OracleDrafter`) has a `continuation_table` attribute."""
+    size = getattr(getattr(drafter, "config", None), "continuation_table_size", None)
+    if is_int(size):
+        return size > 0
+    return getattr(drafter, "continuation_table", None) is not None
 
 
 def parse_tree_shape(text: str, name: str = "--tree") -> tuple[int, int]:
@@ -64,7 +66,7 @@ def lookup_settings(g) -> dict:
     for name, value in out.items():
         if value is None and name != "lookup_ngram":
             continue
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"`{_CONFIG}{name}` must be a positive integer"
                              f"{'' if name == 'lookup_ngram' else ' or None (off)'}, got {value!r}.")
     trust = out["lookup_trust_ngram"]
@@ -82,6 +84,29 @@ def lookup_settings(g) -> dict:
                              "only branches verified alone grow. Set `lookup_trust_ngram` (e.g. 2) or "
                              "`lookup_max_tokens=None`.")
     return out
+
+
+def check_draft_shape(mode, depths: dict, tree_width=None, tree_budget=None, max_depth=None,
+                      prefix: str = "") -> None:
+    """The one rule of a draft's shape, for a pass (`SearchSettings`) and a call (`SpeculativeSettings`): `mode` in
+    `DRAFT_MODES`; each of `depths` (field name -> value) an integer in [1, `max_depth`]; `tree_width` a positive
+    integer and `tree_budget` None or a positive integer (skipped when None is passed as `tree_width`, i.e. a chain).
+    `prefix` goes before the field names in the messages (e.g. `drafter.generation_config.`)."""
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"`{prefix}draft_mode` must be one of {DRAFT_MODES}, got {mode!r}.")
+    K = max_depth
+    for name, value in depths.items():
+        if not is_int(value) or value < 1 or (K is not None and value > K):
+            rule = "a positive integer" if K is None else (
+                f"an integer in [1, {K}] (the drafter predicts K={K} positions per pass)")
+            raise ValueError(f"`{prefix}{name}` must be {rule}, got {value!r}.")
+    if tree_width is None:
+        return
+    if not is_int(tree_width) or tree_width < 1:
+        raise ValueError(f"`{prefix}tree_width` must be a positive integer, got {tree_width!r}.")
+    if tree_budget is not None and (not is_int(tree_budget) or tree_budget < 1):
+        raise ValueError(f"`{prefix}tree_budget` must be None (keep every node) or a positive integer, got "
+                         f"{tree_budget!r} (the number of nodes of highest path probability kept).")
 
 
 # ----------------------------------------------------------------------------------------------------- one pass
@@ -106,19 +131,11 @@ class SearchSettings:
     max_depth: int | None = None
 
     def __post_init__(self):
-        if self.mode not in DRAFT_MODES:
-            raise ValueError(f"`draft_mode` must be one of {DRAFT_MODES}, got {self.mode!r}.")
-        K, name = self.max_depth, "num_assistant_tokens" if self.mode == "chain" else "tree_depth"
-        if not _is_int(self.depth) or self.depth < 1 or (K is not None and self.depth > K):
-            rule = "a positive integer" if K is None else (
-                f"an integer in [1, {K}] (the drafter predicts K={K} positions per pass)")
-            raise ValueError(f"`{name}` must be {rule}, got {self.depth!r}.")
-        if self.mode == "tree":
-            if not _is_int(self.tree_width) or self.tree_width < 1:
-                raise ValueError(f"`tree_width` must be a positive integer, got {self.tree_width!r}.")
-            if self.tree_budget is not None and (not _is_int(self.tree_budget) or self.tree_budget < 1):
-                raise ValueError(f"`tree_budget` must be None (keep every node) or a positive integer, got "
-                                 f"{self.tree_budget!r}.")
+        name = "num_assistant_tokens" if self.mode == "chain" else "tree_depth"
+        tree = self.mode == "tree"
+        check_draft_shape(self.mode, {name: self.depth},
+                          self.tree_width if tree else None, self.tree_budget, self.max_depth)
+        if tree:
             if self.do_sample:
                 raise ValueError("`do_sample=True` draws chains only: a tree keeps the `tree_width` best tokens per "
                                  "beam. Draft the tree with `do_sample=False`; `generate(do_sample=True)` samples "
@@ -144,7 +161,7 @@ class SearchSettings:
         return self.tree_budget if self.mode == "tree" else None
 
     def draft_kwargs(self) -> dict:
-        """These settings as the arguments of `drafter.draft`."""
+        """These settings as the arguments of `drafting.draft`."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "max_depth"}
 
 
@@ -171,33 +188,19 @@ class SpeculativeSettings:
     max_batch_size: int | None = None
 
     def __post_init__(self):
-        if self.mode not in DRAFT_MODES:
-            raise ValueError(f"`{_CONFIG}draft_mode` must be 'chain' or 'tree', got {self.mode!r}.")
         limit = self.max_batch_size
-        if limit is not None and (not _is_int(limit) or limit < 1):
+        if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(f"`{_CONFIG}max_speculative_batch_size` must be None (draft at every batch size) or a "
                              f"positive integer (a larger batch decodes without drafting), got {limit!r}.")
         lookup_settings(self)
         corpus = self.corpus_lookup_num_tokens
-        if corpus is not None and (not _is_int(corpus) or corpus < 1):
+        if corpus is not None and (not is_int(corpus) or corpus < 1):
             raise ValueError(f"`{_CONFIG}corpus_lookup_num_tokens` must be a positive integer or None (off), got "
                              f"{corpus!r}.")
         check_num_flow_steps(self.num_flow_steps, f"{_CONFIG}num_flow_steps")
-        for name, value in (("num_assistant_tokens", self.num_tokens), ("tree_depth", self.tree_depth),
-                            ("tree_width", self.tree_width)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"`{_CONFIG}{name}` must be a positive integer, got {value!r}.")
-        budget = self.tree_budget
-        if budget is not None and (not _is_int(budget) or budget < 1):
-            raise ValueError(
-                f"`{_CONFIG}tree_budget` must be None (keep all tree_width x tree_depth nodes) or a positive integer "
-                f"(keep that many nodes of highest path probability), got {budget!r}."
-            )
-        K = self.max_depth
-        for name, value in (("num_assistant_tokens", self.num_tokens), ("tree_depth", self.tree_depth)):
-            if K is not None and value > K:
-                raise ValueError(f"`{_CONFIG}{name}` is {value}, but this drafter predicts at most {K} positions per "
-                                 f"pass. Use a value in [1, {K}].")
+        # both depths and the tree fields in every mode: the config may be switched to trees
+        check_draft_shape(self.mode, {"num_assistant_tokens": self.num_tokens, "tree_depth": self.tree_depth},
+                          self.tree_width, self.tree_budget, self.max_depth, prefix=_CONFIG)
 
     @classmethod
     def from_drafter(cls, drafter, generation_config=None) -> "SpeculativeSettings":
@@ -220,11 +223,12 @@ class SpeculativeSettings:
                 f"probable nodes instead)."
             )
         corpus = getattr(g, "corpus_lookup_num_tokens", None)
-        if corpus is not None and getattr(drafter, "continuation_table", None) is None:
+        if corpus is not None and not _has_continuation_table(drafter):
             raise ValueError(
                 f"`{_CONFIG}corpus_lookup_num_tokens` is {corpus!r}, but this drafter holds no corpus-lookup table. "
                 f"Add one (`hf-chainflow corpus-lookup --drafter DIR --corpus CORPUS`, or "
-                f"`drafter.set_continuation_table(ContinuationTable.build(...))`) or set it to None."
+                f"`hf_chainflow.generation.drafting.set_continuation_table(drafter, ContinuationTable.build(...))`) "
+                f"or set it to None."
             )
         do_sample = bool(generation_config is not None and generation_config.do_sample)
         return cls(mode=getattr(g, "draft_mode", "chain"), num_tokens=g.num_assistant_tokens,
@@ -249,7 +253,7 @@ class SpeculativeSettings:
         return self.lookup_num_tokens is not None or self.corpus_lookup_num_tokens is not None
 
     def draft_kwargs(self, room: int) -> dict:
-        """The arguments of `drafter.draft` for a round with `room >= 1` tokens left before `max_length` (a round
+        """The arguments of `drafting.draft` for a round with `room >= 1` tokens left before `max_length` (a round
         adds its accepted tokens + 1)."""
         return {"mode": self.mode, "num_tokens": min(self.num_tokens, room), "tree_width": self.tree_width,
                 "tree_depth": min(self.tree_depth, room), "tree_budget": self.tree_budget,
@@ -427,5 +431,5 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
 
 
 __all__ = ["DRAFT_MODES", "SUPPORTED_ATTN_IMPLEMENTATIONS", "SearchSettings", "SpeculativeSettings",
-           "check_attention_mask", "check_num_flow_steps", "is_stateful_target", "lookup_settings", "parse_tree_shape",
+           "check_attention_mask", "check_draft_shape", "check_num_flow_steps", "is_stateful_target", "lookup_settings", "parse_tree_shape",
            "validate_speculative_call"]

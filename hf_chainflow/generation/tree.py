@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_chainflow.checks import check_positive_int
+
 
 @dataclass
 class DraftTree:
@@ -89,7 +91,7 @@ class DraftTree:
                 cum[i] += cum[parent]
         return torch.tensor(cum, dtype=self.logprobs.dtype, device=self.logprobs.device)
 
-    def _take(self, index: torch.LongTensor) -> "DraftTree":
+    def take(self, index: torch.LongTensor) -> "DraftTree":
         """The nodes `index` `(m,)` (every kept node's parent kept, parents listed first), parents renumbered."""
         return DraftTree(tokens=self.tokens[index], parents=take_parents(self.parents[None], index[None])[0],
                          depths=self.depths[index], logprobs=self.logprobs[index],
@@ -102,11 +104,10 @@ class DraftTree:
         probability is at least its child's and its index is lower, so every kept node's ancestors are kept. Order
         stays breadth-first.
         """
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-            raise ValueError(f"`budget` must be a positive integer, got {budget!r}.")
+        check_positive_int("budget", budget)
         if budget >= self.num_nodes:
             return self
-        return self._take(keep_most_probable(self.cumulative_logprobs()[None], budget)[0])
+        return self.take(keep_most_probable(self.cumulative_logprobs()[None], budget)[0])
 
     def with_chain(self, tokens: torch.LongTensor) -> "DraftTree":
         """This tree plus the root-to-leaf branch `tokens` `(k,)`: follows existing nodes while they match, then
@@ -129,7 +130,7 @@ class DraftTree:
         grown = DraftTree(tokens=torch.tensor(toks, device=device), parents=torch.tensor(parents, device=device),
                           depths=torch.tensor(depths, device=device),
                           logprobs=torch.cat([self.logprobs, self.logprobs.new_zeros(added)]))
-        return grown._take(torch.sort(grown.depths, stable=True).indices)  # breadth-first again
+        return grown.take(torch.sort(grown.depths, stable=True).indices)  # breadth-first again
 
     def ancestor_matrix(self) -> torch.BoolTensor:
         """`(N, N)` bool: `anc[i, j]` is True when node `j` is node `i` or one of its ancestors."""

@@ -17,7 +17,7 @@ parameters, not layers, so LoRA does not reach them.
     model = load_language_adapter(drafter, "adapters/tr", "tr")   # or onto an existing PeftModel
     model.set_adapter("de")                              # switch, no reload of the base drafter
     with model.disable_adapter(): ...                    # the base drafter
-    unwrap_drafter(model).draft(...)                     # drafts with the active adapter
+    drafting.draft(unwrap_drafter(model), ...)           # drafts with the active adapter
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from hf_chainflow.checks import check_positive_int
 from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter
 from hf_chainflow.training.trainer import unwrap_drafter
 
@@ -42,8 +43,7 @@ LORA_TARGET_MODULES = (
 def lora_config(r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
                 target_modules: str | list[str] = LORA_TARGET_MODULES, **kwargs) -> LoraConfig:
     """A `LoraConfig` for a ChainFlow drafter (see the module docstring for what it adapts)."""
-    if not isinstance(r, int) or r < 1:
-        raise ValueError(f"`r` (LoRA rank) must be a positive integer, got {r!r}.")
+    check_positive_int("r", r, meaning="the LoRA rank")
     return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules,
                       **kwargs)
 

@@ -2,7 +2,9 @@
 
 Generating the target's responses is the dearest thing the project makes (about one hour per 3,000 responses on a
 2-core CPU), so they are kept, shareable and reloadable; the hidden-state cache that training reads is rebuilt from
-them at any time (`hf_chainflow.training.data.prepare(..., responses=corpus.responses("train"))`).
+them at any time (`hf_chainflow.training.prepare.prepare(..., responses=corpus.responses("train"))`).
+Answering prompts into a corpus: `hf_chainflow.training.responses.generate_into_corpus`; reading and choosing the
+prompts: `hf_chainflow.training.prompts` (`read_prompt_source`, `select_prompts`).
 
 Folder layout
 -------------
@@ -32,19 +34,18 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
-import random
 import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from hf_chainflow.fileio import (HUB_ID, LOCK_GLOB, FolderBusyError, FolderLock, _hub_reachable, _job_id, atomic_write_bytes,
-                                 read_json, remove_stale_temps)
+from hf_chainflow.checks import check_positive_int, is_int
+from hf_chainflow.fileio import (LOCK_GLOB, FolderBusyError, FolderLock, _job_id, atomic_write_bytes, read_json,
+                                 remove_stale_temps)
 from hf_chainflow.fileio import check_writable as _check_writable
 
-FORMAT = "hf_chainflow.training.corpus/1"
+FORMAT = "hf_chainflow.corpus/1"  # the corpus format tag (on disk: unchanged by the module's moves)
 INFO = "corpus.json"
 PENDING = ".pending"
 SPLITS = ("train", "heldout")
@@ -53,12 +54,12 @@ SETTING_FIELDS = ("do_sample", "temperature", "max_new_tokens", "dtype", "machin
 COLUMNS = ID_FIELDS + SETTING_FIELDS
 FINISHES = ("eos", "length")
 
-__all__ = ["ResponseCorpus", "GenerationSettings", "tokenizer_fingerprint", "select_prompts", "describe_machine",
-           "generate_into_corpus", "writer_lock", "check_writable", "FolderBusyError", "COLUMNS", "SPLITS"]
+__all__ = ["ResponseCorpus", "GenerationSettings", "tokenizer_fingerprint", "process_rank", "writer_lock",
+           "check_writable", "check_new_corpus_folder", "check_response_row", "FolderBusyError", "COLUMNS", "SPLITS"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Facts recorded with every row
+# Facts recorded with every row (the machine's description: `hf_chainflow.machine.describe_machine`)
 # ----------------------------------------------------------------------------------------------------------------
 
 def tokenizer_fingerprint(tokenizer) -> dict:
@@ -70,25 +71,6 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
     digest.update(b"\0" + str(getattr(tokenizer, "chat_template", None) or "").encode())
     return {"vocab_size": len(tokenizer), "tokenizer_sha256": digest.hexdigest()}
-
-
-def describe_machine(device: str = "cpu") -> str:
-    """One line naming the processor the responses were made on (its bfloat16 kernels decide near-ties)."""
-    import torch
-
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (cuda)"
-    from hf_chainflow.bench import bf16_matrix_instructions, cpu_identity
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = cpu_identity(f.read())
-    except OSError:
-        cpu = {"name": platform.processor(), "family": None, "model": None}
-    bf16 = [name for name, has in bf16_matrix_instructions().items() if has]
-    return (f"{cpu['name'] or platform.machine()} (family {cpu['family']}, model {cpu['model']}; "
-            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; bf16 matrix instructions: "
-            f"{', '.join(bf16) or 'none'}; {os.cpu_count()} cores)")
 
 
 @dataclass(frozen=True)
@@ -112,17 +94,16 @@ class GenerationSettings:
         import torch
         import transformers
 
+        from hf_chainflow.machine import describe_machine
+
         return cls(dtype=dtype, machine=describe_machine(device),
                    software=f"transformers {transformers.__version__}, torch {torch.__version__}", **kwargs)
+
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Checking rows
 # ----------------------------------------------------------------------------------------------------------------
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def check_response_row(row: dict, where: str, vocab_size: int) -> None:
     """A `ValueError` naming `where` (the row) and the field, unless `row` is a valid response row."""
@@ -137,7 +118,7 @@ def check_response_row(row: dict, where: str, vocab_size: int) -> None:
                              f"{row[key]!r:.60}.")
     for key in ("prompt_ids", "response_ids"):
         ids = row[key]
-        if not isinstance(ids, (list, tuple)) or not ids or any(not _is_int(i) for i in ids):
+        if not isinstance(ids, (list, tuple)) or not ids or any(not is_int(i) for i in ids):
             raise ValueError(f"{where} (id {row['id']!r}): `{key}` must be a non-empty list of token ids, got "
                              f"{ids!r:.80}.")
         bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -308,7 +289,7 @@ class ResponseCorpus:
 
     def responses(self, split: str = "train", *, domains: Iterable[str] | None = None,
                   greedy_only: bool = True) -> dict[str, dict]:
-        """`{id: row}` of one split, for `hf_chainflow.training.data.prepare(..., responses=...)`. Only the split named is read:
+        """`{id: row}` of one split, for `hf_chainflow.training.prepare.prepare(..., responses=...)`. Only the split named is read:
         training reads `"train"`, and the held-out rows only when `"heldout"` is asked for by name."""
         _check_split(split)
         keep = set(domains) if domains is not None else None
@@ -361,8 +342,7 @@ class ResponseCorpus:
         generation-setting columns of rows that lack them. Every row is checked (fields, vocabulary, ids unique and
         not yet in the corpus) before the first shard is written; nothing is written if any fails."""
         _check_split(split)
-        if not _is_int(shard_size) or shard_size < 1:
-            raise ValueError(f"`shard_size` must be a positive int, got {shard_size!r}.")
+        check_positive_int("shard_size", shard_size)
         if not rows:
             raise ValueError("`rows` is empty; give at least one response row.")
         fixed = asdict(settings) if settings is not None else {}
@@ -546,103 +526,6 @@ def _check_split(split) -> None:
         raise ValueError(f"`split` must be one of {list(SPLITS)}, got {split!r}.")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Choosing prompts
-# ----------------------------------------------------------------------------------------------------------------
-
-def read_prompt_source(source, *, prompt_column: str = "prompt", split: str = "train") -> list[dict]:
-    """Prompt rows `{id, domain, language, source, prompt}` from a JSONL file, a `datasets.Dataset`, a dataset folder
-    (`save_to_disk` or a folder `datasets.load_dataset` reads) or a Hub dataset id (its `split`); see
-    `hf_chainflow.training.data.load_prompts` for the fields. Each row needs an `id` here (a corpus is keyed by it), unique."""
-    from hf_chainflow.training.data import _read_jsonl, load_prompts
-
-    given = str(source) if isinstance(source, (str, os.PathLike)) else f"(a {type(source).__name__})"
-    if isinstance(source, (str, os.PathLike)) and Path(source).is_file():
-        source = _read_jsonl(source)
-    elif isinstance(source, (str, os.PathLike)):
-        source = _read_dataset(str(source), split)
-    raw = list(source)
-    if not raw:
-        raise ValueError(f"`prompts` {given!r} holds no prompt rows; give a "
-                         f"JSONL file with one JSON object (id, domain, prompt, ...) per line, or a dataset with rows.")
-    for n, row in enumerate(raw):
-        if isinstance(row, dict) and not row.get("id"):
-            raise ValueError(f"Prompt row {n} has no `id`; a corpus is keyed by prompt id, so give every row one.")
-    return load_prompts(raw, prompt_column=prompt_column)  # unique ids checked there
-
-
-def _read_dataset(source: str, split: str):
-    """The `split` of a dataset folder (`save_to_disk`, or one `load_dataset` reads) or of a Hub dataset id."""
-    import datasets
-
-    path = Path(source)
-    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-        data = datasets.load_from_disk(str(path))
-        if isinstance(data, datasets.DatasetDict):
-            if split not in data:
-                raise ValueError(f"`prompts` folder {str(path)!r} has the splits {list(data)}, not {split!r}; "
-                                 f"name one of them.")
-            data = data[split]
-        return data
-    if path.is_dir():
-        return datasets.load_dataset(source, split=split)
-    if not HUB_ID.match(source) or path.exists():
-        raise ValueError(f"`prompts` must be a JSONL file, a dataset folder or a Hub dataset id, got {source!r}, which "
-                         f"does not exist.")
-    if not _dataset_in_cache(source) and not _hub_reachable():
-        raise ValueError(f"`prompts` {source!r} is neither a local file or folder (there is no such path) nor a Hub "
-                         f"dataset in the local cache, and the Hub cannot be reached (offline, or HF_HUB_OFFLINE is "
-                         f"set); check the path, or load the dataset once where the Hub can be reached.")
-    try:
-        return datasets.load_dataset(source, split=split)
-    except datasets.exceptions.DatasetNotFoundError as err:
-        raise ValueError(f"`prompts` {source!r} is neither a local file or folder (there is no such path) nor a Hub "
-                         f"dataset the Hub knows ({err}); check the path or the dataset id.") from None
-
-
-def _dataset_in_cache(repo_id: str) -> bool:
-    """Whether `datasets` has the Hub dataset `repo_id` in its local caches (so it loads offline)."""
-    import datasets
-    from datasets.naming import camelcase_to_snakecase
-    from huggingface_hub import constants
-
-    namespace, name = repo_id.split("/")
-    built = Path(datasets.config.HF_DATASETS_CACHE) / f"{namespace}___{camelcase_to_snakecase(name)}"
-    downloaded = Path(constants.HF_HUB_CACHE) / f"datasets--{namespace}--{name}"
-    return built.is_dir() or (downloaded / "snapshots").is_dir()
-
-
-def evaluation_prompt_ids() -> set[str]:
-    """Ids of the evaluation prompts shipped with the package (`hf_chainflow/data/eval_prompts.jsonl`): never
-    answered into a corpus, so no drafter trains on what the bench measures."""
-    path = Path(__file__).parent / "data" / "eval_prompts.jsonl"
-    return {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
-
-
-def select_prompts(rows: Sequence[dict], *, domains: Sequence[str] | None = None, per_domain: int | None = None,
-                   seed: int = 0, exclude: Iterable[str] = ()) -> list[dict]:
-    """The prompts to answer, in the order to answer them: rows of `domains` (all for None) not in `exclude`, at most
-    `per_domain` of each domain (all for None), shuffled with `seed` so any prefix mixes domains. The same arguments
-    give the same list."""
-    exclude = set(exclude)
-    wanted = set(domains) if domains is not None else None
-    pool = [r for r in rows if (wanted is None or r["domain"] in wanted) and r["id"] not in exclude]
-    random.Random(seed).shuffle(pool)
-    if per_domain is not None:
-        taken: dict[str, int] = {}
-        keep = []
-        for r in pool:
-            if taken.get(r["domain"], 0) < per_domain:
-                taken[r["domain"]] = taken.get(r["domain"], 0) + 1
-                keep.append(r)
-        pool = keep
-    return pool
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Generating into the corpus
-# ----------------------------------------------------------------------------------------------------------------
-
 def process_rank() -> tuple[int, int]:
     """`(rank, world_size)` of this process under `torchrun` / `accelerate launch` (`RANK`, `WORLD_SIZE`), else
     `(0, 1)`."""
@@ -651,83 +534,3 @@ def process_rank() -> tuple[int, int]:
         raise ValueError(f"RANK={rank} with WORLD_SIZE={world}: the rank must lie in [0, WORLD_SIZE).")
     return rank, world
 
-
-def generate_into_corpus(model, tokenizer, prompts: Sequence[dict], corpus: ResponseCorpus,
-                         settings: GenerationSettings, *, batch_size: int = 32, shard_size: int = 512,
-                         chunk_size: int = 1024, rank: int = 0, world_size: int = 1, max_prompts: int | None = None,
-                         progress: bool = True) -> dict:
-    """Answer `prompts` (rows with `id, domain, language, source` and `prompt` text or `prompt_ids`, in the order to
-    answer them) with `model` and add the responses to `corpus`'s train split. Prompt text goes through the
-    tokenizer's chat template (`hf_chainflow.training.data.chat_prompt_ids`).
-
-    Prompts already in the corpus or pending are skipped; process `rank` of `world_size` answers every
-    `world_size`-th of the rest. Inside a chunk of `chunk_size` prompts, batches of `batch_size` prompts of similar
-    length are generated (left padding) and appended to the pending file after each batch; a shard is written
-    whenever `shard_size` rows are pending, and the last pending rows when every prompt is answered. `max_prompts`
-    stops after that many new responses (their rows stay pending unless they complete a shard). Returns counts.
-
-    The whole run holds the corpus's writer lock (`writer_lock`): another job writing to the corpus is refused with a
-    `FolderBusyError` naming it; the processes of one `torchrun` job share it. A corpus folder that is not writable is
-    refused before the first batch.
-    """
-    check_writable(corpus.path)
-    with corpus.writing():
-        return _generate_locked(model, tokenizer, prompts, corpus, settings, batch_size=batch_size,
-                                shard_size=shard_size, chunk_size=chunk_size, rank=rank, world_size=world_size,
-                                max_prompts=max_prompts, progress=progress)
-
-
-def _generate_locked(model, tokenizer, prompts, corpus, settings, *, batch_size, shard_size, chunk_size, rank,
-                     world_size, max_prompts, progress) -> dict:
-    from tqdm.auto import tqdm
-
-    from hf_chainflow.training.data import _eos_ids, _pad_id, chat_prompt_ids, generate_responses
-
-    corpus.check_tokenizer(tokenizer)
-    for n, r in enumerate(prompts):
-        bad = [i for i in r.get("prompt_ids", ()) if not _is_int(i) or not 0 <= i < corpus.vocab_size]
-        if bad:
-            raise ValueError(f"Prompt row {n} (id {r.get('id')!r}): `prompt_ids` holds {bad[:5]}, not ids of the "
-                             f"tokenizer's vocabulary of {corpus.vocab_size}.")
-    answered = corpus.ids() | {r["id"] for r in corpus.pending()}
-    mine = [r for i, r in enumerate(prompts) if i % world_size == rank]
-    todo = [r for r in mine if r["id"] not in answered][:max_prompts]
-    eos = _eos_ids(model, tokenizer)
-    pad = _pad_id(model, tokenizer, eos)
-    fixed = {k: v for k, v in asdict(settings).items()}
-    written, generated, tokens = [], 0, 0
-    start = time.perf_counter()
-    shard = corpus.flush_pending(rank=rank, min_rows=shard_size)  # a killed run's full shard
-    if shard is not None:
-        written.append(shard)
-    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"responses (process {rank})", unit="resp",
-               disable=not progress, dynamic_ncols=True)
-    for c in range(0, len(todo), chunk_size):
-        chunk = [r if "prompt_ids" in r else {**r, "prompt_ids": chat_prompt_ids(tokenizer, r["prompt"])}
-                 for r in todo[c:c + chunk_size]]
-        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["prompt_ids"]))
-        for b in range(0, len(order), batch_size):
-            batch = [chunk[i] for i in order[b:b + batch_size]]
-            outs = generate_responses(model, [r["prompt_ids"] for r in batch], eos_token_ids=eos, pad_token_id=pad,
-                                      batch_size=batch_size, max_new_tokens=settings.max_new_tokens)
-            rows = [{"id": r["id"], "domain": r["domain"], "language": r["language"], "source": r.get("source", ""),
-                     "prompt_ids": list(r["prompt_ids"]), "response_ids": resp, "finish": finish, **fixed}
-                    for r, (resp, finish) in zip(batch, outs)]
-            corpus.append_pending(rows, rank)
-            generated += len(rows)
-            tokens += sum(len(r["response_ids"]) for r in rows)
-            bar.update(len(rows))
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s")
-            shard = corpus.flush_pending(rank=rank, min_rows=shard_size)
-            if shard is not None:
-                written.append(shard)
-                corpus.write_card()
-                bar.write(f"shard {shard.name}: {shard.stat().st_size / 1e6:.2f} MB")
-    if len(todo) == len([r for r in mine if r["id"] not in answered]):  # every prompt of this process answered
-        shard = corpus.flush_pending(rank=rank)
-        if shard is not None:
-            written.append(shard)
-            corpus.write_card()
-    bar.close()
-    return {"generated": generated, "response_tokens": tokens, "seconds": time.perf_counter() - start,
-            "shards": [str(p) for p in written], "pending": len(corpus.pending(rank))}

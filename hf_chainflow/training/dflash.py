@@ -31,6 +31,7 @@ import os
 import torch
 from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel, PreTrainedModel
 
+from hf_chainflow.checks import check_positive_int, is_int
 from hf_chainflow.generation.settings import is_stateful_target
 
 # The fields of a fresh DFlash drafter that `dflash_config` (and `hf-chainflow train --drafter-type dflash`'s
@@ -43,14 +44,10 @@ DFLASH_DRAFTER_FIELDS = ("target_layer_ids", "mask_token_id", "block_size", "num
 SMOLLM2_MASK_TOKEN_ID = 16
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def spread_target_layers(num_layers: int, count: int) -> list[int]:
     """`count` decoder layers spread evenly from layer 1 to layer `num_layers - 3` (low, middle and high features,
     the last two layers left out), e.g. `[1, 10, 18, 27]` for 4 of SmolLM2's 30 layers."""
-    if not _is_int(count) or not 1 <= count <= max(1, num_layers - 3):
+    if not is_int(count) or not 1 <= count <= max(1, num_layers - 3):
         raise ValueError(f"`count` must be an int in [1, {max(1, num_layers - 3)}] for a target of {num_layers} "
                          f"layers, got {count!r}.")
     first, last = 1, max(1, num_layers - 3)
@@ -94,17 +91,17 @@ def dflash_config(target: PreTrainedModel, *, target_layer_ids, mask_token_id: i
     text = target.config.get_text_config()
     num_layers, vocab = text.num_hidden_layers, text.vocab_size
     layers = list(target_layer_ids) if isinstance(target_layer_ids, (list, tuple)) else None
-    if not layers or any(not _is_int(i) or not 0 <= i < num_layers for i in layers) or len(set(layers)) != len(layers):
+    if not layers or any(not is_int(i) or not 0 <= i < num_layers for i in layers) or len(set(layers)) != len(layers):
         raise ValueError(f"`target_layer_ids` must be a non-empty list of distinct decoder-layer indices in [0, "
                          f"{num_layers}) of this {num_layers}-layer target, got {target_layer_ids!r}; e.g. "
                          f"{spread_target_layers(num_layers, min(4, max(1, num_layers - 3)))}.")
-    if not _is_int(mask_token_id) or not 0 <= mask_token_id < vocab:
+    if not is_int(mask_token_id) or not 0 <= mask_token_id < vocab:
         raise ValueError(f"`mask_token_id` must be a token id inside the target's vocabulary [0, {vocab}), got "
                          f"{mask_token_id!r}; choose a token that never occurs in the responses (SmolLM2: "
                          f"{SMOLLM2_MASK_TOKEN_ID}, `<empty_output>`).")
     for name, value, low in (("block_size", block_size, 2), ("num_hidden_layers", num_hidden_layers, 1),
                              ("sliding_window", sliding_window, 1)):
-        if not _is_int(value) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
     if sliding_window < block_size - 1:
         raise ValueError(f"`sliding_window` ({sliding_window}) must be >= `block_size - 1` ({block_size - 1}) so that "
@@ -114,8 +111,7 @@ def dflash_config(target: PreTrainedModel, *, target_layer_ids, mask_token_id: i
     head_dim = head_dim or getattr(text, "head_dim", None) or text.hidden_size // heads
     for name, value in (("intermediate_size", intermediate_size), ("num_attention_heads", heads),
                         ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ValueError(f"`{name}` must be a positive int (or None for the target's), got {value!r}.")
+        check_positive_int(name, value, optional=True, none="the target's")
     if heads % kv_heads:
         raise ValueError(f"`num_attention_heads` ({heads}) must be a multiple of `num_key_value_heads` ({kv_heads}).")
     rope = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})

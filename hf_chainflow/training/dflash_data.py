@@ -1,5 +1,5 @@
 """Training windows of a DFlash drafter, read from data prepared with `target_layers` (`hf-chainflow prepare
---target-layers ...`, `hf_chainflow.training.data`).
+--target-layers ...`, `hf_chainflow.training.prepared_data`).
 
 One window per anchor `t` of a stored span `x[0..L-1]` (the anchors of `ChainFlowWindowDataset`: the last
 context state; `x[t+1]` is the bonus token, the block's first token), with `C` context states and blocks of `B`
@@ -23,7 +23,9 @@ from typing import Sequence
 
 import torch
 
-from hf_chainflow.training.data import ChainFlowWindowDataset, read_manifest
+from hf_chainflow.checks import is_int
+from hf_chainflow.training.windows import ChainFlowWindowDataset
+from hf_chainflow.training.prepared_data import read_manifest
 
 
 class DFlashWindowDataset(ChainFlowWindowDataset):
@@ -33,7 +35,7 @@ class DFlashWindowDataset(ChainFlowWindowDataset):
 
     def __init__(self, data_dir: str | os.PathLike, *, target_layer_ids: Sequence[int], context_len: int = 32,
                  block_size: int = 9, **kwargs):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+        if not is_int(block_size) or block_size < 2:
             raise ValueError(f"`block_size` must be an int >= 2 (the bonus token and at least one mask), got "
                              f"{block_size!r}.")
         stored = read_manifest(data_dir).get("target_layers") or []

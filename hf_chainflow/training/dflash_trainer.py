@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments, default_data_collator
 
-from hf_chainflow.training.data import ChainFlowWindowDataset
+from hf_chainflow.checks import check_positive_int
+from hf_chainflow.training.windows import ChainFlowWindowDataset
 from hf_chainflow.training.dflash import check_dflash_drafter, dflash_block_logits
 from hf_chainflow.training.dflash_data import DFlashWindowDataset
 from hf_chainflow.training.losses import block_acceptance_lengths, dflash_loss
@@ -154,8 +155,7 @@ def evaluate_dflash_offline(drafter, target: PreTrainedModel, windows, *, batch_
     `acceptance_per_depth` (fraction of blocks accepted beyond depth d) and `windows`."""
     check_dflash_drafter(drafter, target)
     check_dflash_windows(drafter.config, windows)
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
+    check_positive_int("batch_size", batch_size)
     if len(windows) == 0:
         raise ValueError("`windows` is empty: there is nothing to evaluate.")
     was_training = drafter.training

@@ -44,13 +44,13 @@ def train_dflash_drafter(o: dict, defaults: dict | None = None) -> int:
     from `defaults` (all of them without). Returns 0."""
     from transformers import MuseGlimmerAssistantModel
 
-    from hf_chainflow.training.data import read_shortlist
+    from hf_chainflow.training.prepared_data import read_shortlist
     from hf_chainflow.training.dflash import build_dflash_drafter, check_dflash_drafter, check_dflash_target
     from hf_chainflow.training.dflash_data import DFlashWindowDataset
     from hf_chainflow.training.dflash_trainer import DFlashTrainer, DFlashTrainingArguments
     from hf_chainflow.training.evaluation import strict_json
     from hf_chainflow.targets import load_model_and_tokenizer
-    from hf_chainflow.training.trainer import ReplayMixDataset
+    from hf_chainflow.training.replay import ReplayMixDataset
     from hf_chainflow.training.workflows import check_training_inputs, run_training, throughput_summary
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

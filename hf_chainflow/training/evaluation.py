@@ -1,6 +1,6 @@
 """Offline acceptance length `tau` of a drafter on cached windows (no target forward needed).
 
-A window anchored at `t` (see `hf_chainflow.training.data`) holds exactly what the serving loop hands the drafter: the last
+A window anchored at `t` (see `hf_chainflow.training.prepared_data`) holds exactly what the serving loop hands the drafter: the last
 `C` target states `h_{..t}` (`context_states`, `context_mask`) and the committed tokens up to the bonus token
 `x_{t+1}` (the first `p` entries of `prev_tokens`), plus the target's own next tokens `x*_{t+2..t+K+1}`
 (`target_tokens`, `target_mask`).  The drafter drafts `k` tokens; with greedy verification the target accepts the
@@ -20,7 +20,7 @@ cached responses: start at a response's first anchor, draft, accept, jump `a + 1
 `tau = tokens / rounds` is what the serving loop would measure on these responses (`walk_rounds`,
 `evaluate_walk`).
 
-Two paths give the same drafts: the serving call per window (`drafter.draft`, `reference_chain`), and the default
+Two paths give the same drafts: the serving call per window (`drafting.draft`, `reference_chain`), and the default
 batched path (`draft_batch`, `draft_chains`), which predicts the states of a batch of windows in one drafter pass and
 runs the serving search (`hf_chainflow.generation.search.candidate_search`) on all of them at once, for chains and trees.
 """
@@ -39,9 +39,12 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 from transformers import default_data_collator
 
+from hf_chainflow.checks import check_positive_int
 from hf_chainflow.fileio import atomic_path, atomic_write_text
-from hf_chainflow.training.data import check_windows_fit
+from hf_chainflow.training.windows import check_windows_fit
+from hf_chainflow.generation import drafting
 from hf_chainflow.generation.search import DraftBatch, candidate_search
+from hf_chainflow.generation.serving import serving_velocity
 from hf_chainflow.generation.settings import SearchSettings, check_num_flow_steps
 from hf_chainflow.training.trainer import unwrap_drafter
 
@@ -67,16 +70,18 @@ def _committed(prev_tokens: torch.Tensor, p: int) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_chain(drafter, window: dict, num_tokens: int, num_flow_steps: int | None = None) -> torch.Tensor:
-    """The serving call on one window: `drafter.draft(states, committed, mode="chain")` -> draft tokens `(k,)`."""
+    """The serving call on one window: `drafting.draft(drafter, states, committed, mode="chain")` -> draft tokens
+    `(k,)`."""
     return _serving_draft(drafter, window, dict(mode="chain", num_tokens=num_tokens), num_flow_steps).tokens
 
 
 def _serving_draft(drafter, window: dict, search: dict, num_flow_steps: int | None):
-    """`drafter.draft(**search)` on one window's existing context states and committed tokens -> its `DraftTree`."""
+    """`drafting.draft(drafter, **search)` on one window's existing context states and committed tokens -> its
+    `DraftTree`."""
     states = window["context_states"][window["context_mask"].bool()][None]  # (1, T<=C, D): only existing states
     committed = _committed(window["prev_tokens"], drafter.config.path_order)[None]  # (1, p)
-    return drafter.draft(states.to(drafter.device), committed.to(drafter.device), num_flow_steps=num_flow_steps,
-                         **search)
+    return drafting.draft(drafter, states.to(drafter.device), committed.to(drafter.device),
+                          num_flow_steps=num_flow_steps, **search)
 
 
 @torch.no_grad()
@@ -86,11 +91,11 @@ def draft_batch(drafter, context_states: torch.Tensor, context_mask: torch.Tenso
 
     context_states `(B, C, (1 + n) D)` (`n = len(target_layer_ids)`), context_mask `(B, C)`, committed `(B, p)`
     (last = bonus) -> `DraftBatch` `(B, N)`.
-    Each window gets the serving call's draft (`drafter.draft`), up to the rounding of batched products: a near-tie
+    Each window gets the serving call's draft (`drafting.draft`), up to the rounding of batched products: a near-tie
     between two candidates can fall the other way.
     """
-    states = drafter.predict_states(context_states, context_mask, num_flow_steps,
-                                    bonus_tokens=committed[:, -1])  # (B, K, D)
+    states = drafter.predict_states(context_states, context_mask, num_flow_steps, bonus_tokens=committed[:, -1],
+                                    velocity=serving_velocity(drafter))  # (B, K, D), as served
     return candidate_search(drafter, states, committed, settings)
 
 
@@ -166,8 +171,7 @@ def summarize(accepted: np.ndarray, valid: np.ndarray, num_tokens: int) -> dict:
 def _subset(dataset, max_windows: int | None, seed: int):
     if max_windows is None or max_windows >= len(dataset):
         return dataset
-    if not isinstance(max_windows, int) or max_windows < 1:
-        raise ValueError(f"`max_windows` must be a positive integer or None, got {max_windows!r}.")
+    check_positive_int("max_windows", max_windows, optional=True)
     keep = np.sort(np.random.default_rng(seed).choice(len(dataset), size=max_windows, replace=False))
     return Subset(dataset, keep.tolist())
 
@@ -187,13 +191,13 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
 
     Args:
         drafter: a bound `ChainFlowDrafter` (or a peft model around one).
-        dataset: window dicts (`hf_chainflow.training.data.ChainFlowWindowDataset` or any sequence of them); an optional
+        dataset: window dicts (`hf_chainflow.training.windows.ChainFlowWindowDataset` or any sequence of them); an optional
             `domain` index names a domain of `dataset.domains`.
         num_tokens: chain length `k` (the serving `num_assistant_tokens`).
         max_windows: evaluate a seeded random subset of this many windows.
         tree: `(width, depth)` to also measure tree drafting (on at most `max_tree_windows` of the windows).
         tree_budget: keep that many nodes of each tree (highest path probability; `None`: all).
-        batched: draft batches of windows (`draft_batch`, fast) rather than one `drafter.draft` call per window (the
+        batched: draft batches of windows (`draft_batch`, fast) rather than one `drafting.draft` call per window (the
             serving call).
         walk_sequences: also replay the serving walk (`evaluate_walk`) on this many responses of `dataset` (seeded;
             all of them if it has fewer): the `tau` a serving loop would measure on them. Needs every anchor of
@@ -209,8 +213,7 @@ def evaluate_offline(drafter, dataset, *, num_tokens: int = 3, batch_size: int =
     check_windows_fit(drafter.config, dataset)
     searches = _search_settings(drafter, num_tokens, tree, tree_budget)
     check_num_flow_steps(num_flow_steps)
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    check_positive_int("batch_size", batch_size)
     if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise ValueError(f"`output_dir` {str(output_dir)!r} is a file; give a folder for offline_eval.json.")
     if walk_sequences is not None:  # fail now, before any drafting, on a count or a dataset the walk cannot use
@@ -255,7 +258,7 @@ def _search_settings(drafter, num_tokens: int, tree, tree_budget) -> dict[str, S
 
 
 def _window_length(drafter, w: dict, settings: SearchSettings, num_flow_steps: int | None) -> tuple[int, int]:
-    """The serving call (`drafter.draft`) on one window -> (accepted length, the draft's depth)."""
+    """The serving call (`drafting.draft`) on one window -> (accepted length, the draft's depth)."""
     if settings.mode == "chain":
         drafts = reference_chain(drafter, w, settings.num_tokens, num_flow_steps).cpu()[None]  # (1, k)
         return int(accepted_lengths(drafts, w["target_tokens"][None], w["target_mask"][None])[0]), drafts.shape[1]
@@ -356,8 +359,7 @@ def _check_tree(tree) -> tuple[int, int]:
 
 
 def _check_max_sequences(value, name: str) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"`{name}` must be a positive integer (a number of responses) or None, got {value!r}.")
+    check_positive_int(name, value, optional=True, meaning="a number of responses")
 
 
 @torch.no_grad()
@@ -366,7 +368,7 @@ def evaluate_walk(drafter, dataset, *, num_tokens: int = 3, tree: tuple[int, int
                   seed: int = 0, label: Callable[[int], str] | None = None, progress: bool = True) -> dict:
     """Served `tau` replayed on cached responses: chain (and tree) drafting along each response's serving walk.
 
-    Every round is the serving call (`drafter.draft`) on the window at the walk's anchor.  `max_sequences` walks a
+    Every round is the serving call (`drafting.draft`) on the window at the walk's anchor.  `max_sequences` walks a
     seeded random subset of the responses; `label` names a window's `domain` index (default: the dataset's
     `domains`).  Returns `num_sequences` and, per mode (`chain`, `tree`), `tau` (tokens / rounds), `rounds`,
     `tokens`, `acceptance_per_depth` (as the bench counts it), `per_domain` and `per_sequence` (`seq`: the
@@ -435,10 +437,8 @@ def resampled_walk_taus(walks: list[dict], *, num_resamples: int = 10000, size: 
         raise ValueError(f"The walks covered different responses ({', '.join(str(len(s)) for s in seqs)}, not the "
                          "same ids in the same order); a paired comparison needs the same held-out data, shards and "
                          "`walk_sequences` for all.")
-    if not isinstance(num_resamples, int) or num_resamples < 1:
-        raise ValueError(f"`num_resamples` must be a positive integer, got {num_resamples!r}.")
-    if size is not None and (not isinstance(size, int) or size < 1):
-        raise ValueError(f"`size` must be a positive integer (responses per draw) or None, got {size!r}.")
+    check_positive_int("num_resamples", num_resamples)
+    check_positive_int("size", size, optional=True, meaning="responses per draw")
     n = len(seqs[0])
     draws = np.random.default_rng(seed).integers(0, n, size=(num_resamples, size or n))  # (R, S)
     taus = []

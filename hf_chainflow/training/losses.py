@@ -21,6 +21,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from hf_chainflow.checks import check_positive_int
+
 IGNORE_INDEX = -100
 # The SPEC's weights, in the order of the equation; keys are the SPEC's subscripts.
 DEFAULT_LOSS_WEIGHTS: dict[str, float] = {"flow": 0.2, "hid": 0.25, "ce": 0.3, "cov": 0.3, "acc": 0.15, "rec": 0.5}
@@ -115,8 +117,7 @@ def coverage_loss(logits: torch.Tensor, labels: torch.Tensor, top_b: int = 8, ma
 
     logits `(B, K, S)`, labels `(B, K)` with -100 ignored.
     """
-    if not isinstance(top_b, int) or top_b < 1:
-        raise ValueError(f"`top_b` must be a positive integer (tokens kept per tree node), got {top_b!r}.")
+    check_positive_int("top_b", top_b, meaning="tokens kept per tree node")
     S = logits.shape[-1]
     valid = labels != IGNORE_INDEX
     if S <= top_b or not bool(valid.any()):

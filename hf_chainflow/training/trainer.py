@@ -1,139 +1,43 @@
 """Training a ChainFlow drafter with `transformers.Trainer` (SPEC.md, "Training objective").
 
 `ChainFlowTrainer` only wires things: the loss is `hf_chainflow.training.losses.chainflow_loss`, the model is a bound
-`ChainFlowDrafter` (or a `peft` model around one), the data are window dicts (`hf_chainflow.training.data`).  What it adds to
-a plain `Trainer`:
+`ChainFlowDrafter` (or a `peft` model around one), the data are window dicts (`hf_chainflow.training.windows`), the
+arguments `ChainFlowTrainingArguments` (`hf_chainflow.training.arguments`).  What it adds to a plain `Trainer`:
 
 - each loss term is logged separately (`loss_flow`, `loss_hid`, ..., averaged over the logging interval);
 - optimiser parameter groups give the VAE `vae_lr_ratio` x the learning rate (paper: 1/20);
-- an optional VAE pre-training stage (`vae_pretrain_steps`): only `L_rec` trains the VAE, on the cached states,
-  before the joint training starts (a fresh run only; a resumed run skips it, it happened before the checkpoint);
+- an optional VAE pre-training stage (`vae_pretrain_steps`, `hf_chainflow.training.vae_pretraining`): only `L_rec`
+  trains the VAE, on the cached states, before the joint training starts (a fresh run only; a resumed run skips it,
+  it happened before the checkpoint);
 - the target stays outside the model: the drafter borrows its `lm_head`/embeddings through `bind_target`, so they
   are neither optimised nor saved (checkpoints hold `config.json`, `model.safetensors`, `generation_config.json`);
 - complete-only checkpoints (`hf_chainflow.training.checkpointing.CompleteCheckpointsMixin`, which every trainer inherits): a
   checkpoint counts only once its marker is written, after all its files, and resuming takes only such ones.
 
-Language adaptation (warm start at a lower learning rate, replay of earlier-language rows): `warm_start`,
-`adaptation_arguments`, `ReplayMixDataset`.
+Language adaptation (warm start at a lower learning rate, replay of earlier-language rows):
+`hf_chainflow.training.adaptation` (`warm_start`, `adaptation_arguments`), `hf_chainflow.training.replay`
+(`ReplayMixDataset`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from torch.utils.data import Dataset
-from tqdm.auto import tqdm
-from transformers import PreTrainedModel, Trainer, TrainingArguments, default_data_collator
+from transformers import PreTrainedModel, Trainer, default_data_collator
 
-from hf_chainflow.training.data import check_windows_fit
-from hf_chainflow.training.checkpointing import CompleteCheckpointsMixin
-from hf_chainflow.training.losses import DEFAULT_LOSS_WEIGHTS, EXTRA_LOSS_WEIGHTS, chainflow_loss, reconstruction_loss
 from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter
+from hf_chainflow.training.arguments import ChainFlowTrainingArguments
+from hf_chainflow.training.checkpointing import CompleteCheckpointsMixin
+from hf_chainflow.training.losses import chainflow_loss
+from hf_chainflow.training.vae_pretraining import pretrain_vae
+from hf_chainflow.training.windows import check_windows_fit
 
 logger = logging.getLogger(__name__)
 
 # The drafter's training-forward inputs; other keys of a batch (e.g. `domain`) are not passed to it.
 FORWARD_KEYS = ("context_states", "target_states", "target_tokens", "prev_tokens", "context_mask", "target_mask")
-
-
-@dataclass
-class ChainFlowTrainingArguments(TrainingArguments):
-    """`TrainingArguments` with ChainFlow's defaults (AdamW, constant lr 5e-4) and loss hyper-parameters."""
-
-    learning_rate: float = field(default=5e-4, metadata={"help": "AdamW learning rate of the drafter (paper: 5e-4)."})
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule (paper: constant)."})
-    remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Keep every column: windows are dicts of tensors read by the trainer."})
-    prediction_loss_only: bool = field(
-        default=True, metadata={"help": "Evaluation returns the loss (and its logged terms), not the logits."})
-    loss_flow_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["flow"],
-                                    metadata={"help": "Weight of L_flow, the flow-matching MSE."})
-    loss_hid_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["hid"],
-                                   metadata={"help": "Weight of L_hid, the relative squared error of the states."})
-    loss_ce_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["ce"],
-                                  metadata={"help": "Weight of L_CE, corrected + 0.2 x marginal cross-entropy."})
-    loss_cov_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["cov"],
-                                   metadata={"help": "Weight of L_cov, the top-b coverage hinge."})
-    loss_acc_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["acc"],
-                                   metadata={"help": "Weight of L_acc, the expected-acceptance surrogate."})
-    loss_rec_weight: float = field(default=DEFAULT_LOSS_WEIGHTS["rec"],
-                                   metadata={"help": "Weight of L_rec, VAE reconstruction + beta x KL."})
-    loss_kd_weight: float = field(
-        default=EXTRA_LOSS_WEIGHTS["kd"],
-        metadata={"help": "Weight of L_kd, the KL from the target's next-token distribution (its lm_head over the "
-                          "cached true states) to the drafter's; not in the paper, 0 (off) by default."})
-    kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both sides of L_kd."})
-    acceptance_gamma: float = field(default=0.8, metadata={"help": "Discount gamma per draft position in L_acc."})
-    coverage_top_b: int = field(default=8, metadata={"help": "b: L_cov pushes the true token into the top b logits."})
-    coverage_margin: float = field(default=1.0, metadata={"help": "Logit margin of the L_cov hinge."})
-    marginal_ce_weight: float = field(default=0.2,
-                                      metadata={"help": "Weight of the marginal-logit cross-entropy inside L_CE."})
-    kl_beta: float = field(default=3e-5, metadata={"help": "beta: weight of the VAE's KL term inside L_rec."})
-    train_flow_steps: int | None = field(
-        default=None, metadata={"help": "N: Euler steps of the trajectory integrated in training (paper: 2); "
-                                        "None keeps the drafter config's `train_flow_steps`."})
-    vae_lr_ratio: float = field(default=1 / 20,
-                                metadata={"help": "VAE learning rate as a fraction of `learning_rate` (paper: 1/20)."})
-    vae_pretrain_steps: int = field(
-        default=0, metadata={"help": "Steps of VAE-only pre-training (L_rec) on the cached states before joint "
-                                     "training; 0 skips it."})
-    vae_pretrain_learning_rate: float | None = field(
-        default=None, metadata={"help": "Learning rate of the VAE pre-training stage; None uses `learning_rate`."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("loss_flow_weight", "loss_hid_weight", "loss_ce_weight", "loss_cov_weight", "loss_acc_weight",
-                     "loss_rec_weight", "loss_kd_weight", "kl_beta", "marginal_ce_weight", "coverage_margin",
-                     "kd_temperature", "acceptance_gamma", "vae_lr_ratio"):
-            value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value):
-                raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
-            if value < 0:
-                raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
-        if not _is_int(self.vae_pretrain_steps) or self.vae_pretrain_steps < 0:
-            raise ValueError(f"`vae_pretrain_steps` must be an integer >= 0, got {self.vae_pretrain_steps!r}.")
-        lr = self.vae_pretrain_learning_rate
-        if lr is not None and (not _is_number(lr) or not math.isfinite(lr) or lr <= 0):
-            raise ValueError(f"`vae_pretrain_learning_rate` must be a positive number, or None to use "
-                             f"`learning_rate`, got {lr!r}.")
-        # Trainer options the ChainFlow loss does not use: refused rather than silently ignored.
-        if self.label_smoothing_factor != 0:
-            raise ValueError(f"`label_smoothing_factor` is not used by the ChainFlow loss (its cross-entropy is over "
-                             f"the shortlist), got {self.label_smoothing_factor!r}; leave it at 0.")
-        if self.neftune_noise_alpha is not None:
-            raise ValueError(f"`neftune_noise_alpha` adds noise to a language model's input embeddings; a drafter "
-                             f"reads the target's hidden states instead, got {self.neftune_noise_alpha!r}; leave it "
-                             f"None.")
-        if not self.kd_temperature > 0:
-            raise ValueError(f"`kd_temperature` must be > 0, got {self.kd_temperature!r}.")
-        if not 0 < self.acceptance_gamma <= 1:
-            raise ValueError(f"`acceptance_gamma` must lie in (0, 1], got {self.acceptance_gamma!r}.")
-        if not _is_int(self.coverage_top_b) or self.coverage_top_b < 1:
-            raise ValueError(f"`coverage_top_b` must be a positive integer, got {self.coverage_top_b!r}.")
-        if not self.vae_lr_ratio > 0:
-            raise ValueError(f"`vae_lr_ratio` must be > 0 (freeze the VAE instead of a zero rate), got "
-                             f"{self.vae_lr_ratio!r}.")
-        if self.train_flow_steps is not None and (not _is_int(self.train_flow_steps) or self.train_flow_steps < 1):
-            raise ValueError(f"`train_flow_steps` must be a positive integer or None, got {self.train_flow_steps!r}.")
-
-    @property
-    def loss_weights(self) -> dict[str, float]:
-        """The term weights by the names `chainflow_loss` uses (the SPEC's six and `kd`)."""
-        return {name: getattr(self, f"loss_{name}_weight") for name in {**DEFAULT_LOSS_WEIGHTS, **EXTRA_LOSS_WEIGHTS}}
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def unwrap_drafter(model) -> ChainFlowDrafter:
@@ -142,27 +46,6 @@ def unwrap_drafter(model) -> ChainFlowDrafter:
     if not isinstance(base, ChainFlowDrafter):
         raise ValueError(f"`model` must be a ChainFlowDrafter (or a peft model around one), got {type(base).__name__}.")
     return base
-
-
-def vae_reconstruction_loss(drafter: ChainFlowDrafter, batch: dict, kl_beta: float = 3e-5) -> torch.Tensor:
-    """`L_rec` alone, as the training forward computes it (context and target windows encoded separately, a sampled
-    latent decoded), without running the flow or the heads.  For the VAE pre-training stage."""
-    if drafter.vae is None:
-        raise ValueError("This drafter has no VAE (`use_vae=False`): there is nothing to pre-train.")
-    recon, targets, masks, kls = [], [], [], []
-    for key in ("context", "target"):
-        states = drafter.normalize(batch[f"{key}_states"].to(drafter.dtype))  # (B, T, D), standardised
-        mask = batch.get(f"{key}_mask")
-        mask = torch.ones(states.shape[:2], dtype=torch.bool, device=states.device) if mask is None else mask.bool()
-        mean, logvar = drafter.vae.encode(states, mask)  # (B, T, Z)
-        sample = mean + torch.randn_like(mean) * (0.5 * logvar).exp()
-        recon.append(drafter.vae.decode(sample))
-        targets.append(states)
-        masks.append(mask)
-        kls.append(0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean(-1))  # (B, T)
-    mask = torch.cat(masks, 1)
-    kl = (torch.cat(kls, 1) * mask).sum() / mask.sum().clamp(min=1)
-    return reconstruction_loss(torch.cat(recon, 1), torch.cat(targets, 1), mask, kl, kl_beta)
 
 
 def _is_vae_parameter(name: str) -> bool:
@@ -319,73 +202,10 @@ class ChainFlowTrainer(CompleteCheckpointsMixin, Trainer):
     # ------------------------------------------------------------------ VAE pre-training
     def pretrain_vae(self, num_steps: int | None = None, learning_rate: float | None = None) -> list[float]:
         """Train only the VAE on `L_rec` for `num_steps` batches of the training set (repeated), with its own AdamW
-        (weight decay except on norms and biases, gradients clipped to `args.max_grad_norm`, a constant rate).
-
-        Defaults: `args.vae_pretrain_steps` steps at `args.vae_pretrain_learning_rate` (else `args.learning_rate`).
-        With several processes the VAE gradients are averaged across them.  Returns the per-step losses.
-        """
-        steps = self.args.vae_pretrain_steps if num_steps is None else num_steps
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"`num_steps` must be a positive integer, got {steps!r}.")
-        drafter = self.drafter
-        if drafter.vae is None:
-            raise ValueError("`vae_pretrain_steps` > 0 but this drafter has no VAE (`use_vae=False`); set it to 0.")
-        params = [p for p in drafter.vae.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("The drafter's VAE is frozen (no trainable parameter); set `vae_pretrain_steps=0`.")
-        lr = next(v for v in (learning_rate, self.args.vae_pretrain_learning_rate, self.args.learning_rate)
-                  if v is not None)
-        a = self.args
-        decay = set(self.get_decay_parameter_names(drafter.vae))  # as the joint stage: no decay on norms and biases
-        named = [(n, p) for n, p in drafter.vae.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": a.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(a.adam_beta1, a.adam_beta2),
-                                      eps=a.adam_epsilon)
-        # `logging_steps` below 1 is a fraction of the steps, as in `TrainingArguments`
-        every = max(1, math.ceil(a.logging_steps * steps) if a.logging_steps < 1 else int(a.logging_steps))
-        batches = self._endless_batches()
-        was_training = drafter.training
-        drafter.train()
-        losses = []
-        # The Trainer's console callback prints only once `train()` has opened its bar: this stage prints its own logs
-        # on its bar (with `disable_tqdm=True`, transformers' PrinterCallback prints them).
-        bar = tqdm(range(steps), desc="VAE pre-training", disable=a.disable_tqdm or not self.is_world_process_zero())
-        try:
-            for step in bar:
-                batch = self._prepare_inputs(next(batches))
-                loss = vae_reconstruction_loss(drafter, batch, a.kl_beta)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.accelerator.num_processes > 1:
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad = self.accelerator.reduce(p.grad, "mean")
-                if a.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
-                optimizer.step()
-                losses.append(loss.item())
-                if (step + 1) % every == 0:
-                    logs = {"vae_pretrain_loss_rec": float(np.mean(losses[-every:])), "vae_pretrain_step": step + 1}
-                    super().log(logs)
-                    if not bar.disable:
-                        bar.write(str({"vae_pretrain_loss_rec": f"{logs['vae_pretrain_loss_rec']:.4g}",
-                                       "vae_pretrain_step": step + 1}))
-        finally:
-            bar.close()
-            drafter.train(was_training)
-        self.vae_pretrain_losses = losses  # (the Trainer's `state.log_history` starts afresh in `train`)
-        return losses
-
-    def _endless_batches(self):
-        """The training batches, epoch after epoch (a fresh pass each time, so no epoch is held in memory)."""
-        while True:
-            empty = True
-            for batch in self.get_train_dataloader():
-                empty = False
-                yield batch
-            if empty:
-                raise ValueError("The training dataset holds no batch: there is nothing to pre-train the VAE on.")
+        (`hf_chainflow.training.vae_pretraining.pretrain_vae`). Defaults: `args.vae_pretrain_steps` steps at
+        `args.vae_pretrain_learning_rate` (else `args.learning_rate`). Returns the per-step losses (also kept as
+        `vae_pretrain_losses`)."""
+        return pretrain_vae(self, num_steps, learning_rate)
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """`Trainer.train`, preceded on a fresh run by `pretrain_vae()` when `args.vae_pretrain_steps > 0` (unless
@@ -395,68 +215,4 @@ class ChainFlowTrainer(CompleteCheckpointsMixin, Trainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Language adaptation
-# ----------------------------------------------------------------------------------------------------------------
-ADAPTATION_LR_RANGE = (1e-4, 1.5e-4)
-
-
-def warm_start(drafter_path, target: PreTrainedModel, **kwargs) -> ChainFlowDrafter:
-    """Load a trained drafter to continue training it (e.g. on a new language), bound to `target`."""
-    return ChainFlowDrafter.from_pretrained(drafter_path, target=target, **kwargs)
-
-
-def adaptation_arguments(output_dir: str, *, learning_rate: float = 1e-4, num_train_epochs: float = 2.0,
-                         **kwargs) -> ChainFlowTrainingArguments:
-    """Training arguments for adapting a warm-started drafter to a new language (paper: lr 1e-4 to 1.5e-4,
-    2 to 6 epochs, same objective).  A learning rate outside that range is allowed, with a warning."""
-    lo, hi = ADAPTATION_LR_RANGE
-    if not lo <= learning_rate <= hi:
-        warnings.warn(f"Language adaptation used lr {lo:g}..{hi:g} in the paper; got {learning_rate:g}.",
-                      stacklevel=2)
-    return ChainFlowTrainingArguments(output_dir=output_dir, learning_rate=learning_rate,
-                                      num_train_epochs=num_train_epochs, **kwargs)
-
-
-class ReplayMixDataset(Dataset):
-    """`new` plus a seeded sample of rows of `old` (earlier languages) making up `replay_fraction` of the mix.
-
-    Length `len(new) + round(len(new) * f / (1 - f))`: rows `[0, len(new))` are `new` in order, the rest are
-    `old` rows drawn without replacement (with replacement only when `old` is too small).  The Trainer's sampler
-    shuffles the mix.  Paper: ~20 % replay.
-    """
-
-    def __init__(self, new: Dataset, old: Dataset, replay_fraction: float = 0.2, seed: int = 0):
-        if not 0 <= replay_fraction < 1:
-            raise ValueError(f"`replay_fraction` must lie in [0, 1), got {replay_fraction!r}.")
-        if len(new) == 0:
-            raise ValueError("`new` is empty: there is nothing to adapt on.")
-        if replay_fraction > 0 and len(old) == 0:
-            raise ValueError("`old` is empty but `replay_fraction` > 0; pass earlier-language rows or 0.")
-        self.new, self.old, self.replay_fraction = new, old, replay_fraction
-        n_old = round(len(new) * replay_fraction / (1 - replay_fraction))
-        rng = np.random.default_rng(seed)
-        self.old_rows = rng.choice(len(old), size=n_old, replace=n_old > len(old)) if n_old else np.zeros(0, int)
-
-    def __len__(self) -> int:
-        return len(self.new) + len(self.old_rows)
-
-    def __getitem__(self, i: int):
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"index {i} out of range for a ReplayMixDataset of length {len(self)}")
-        i = i % len(self)
-        return self.new[i] if i < len(self.new) else self.old[int(self.old_rows[i - len(self.new)])]
-
-    def is_replay(self, i: int) -> bool:
-        return i >= len(self.new)
-
-
-__all__ = [
-    "ChainFlowTrainer",
-    "ChainFlowTrainingArguments",
-    "ReplayMixDataset",
-    "adaptation_arguments",
-    "unwrap_drafter",
-    "vae_reconstruction_loss",
-    "warm_start",
-]
+__all__ = ["ChainFlowTrainer", "FORWARD_KEYS", "unwrap_drafter"]

@@ -13,15 +13,17 @@ from pathlib import Path
 import torch
 from torch.utils.data import ConcatDataset
 
+from hf_chainflow.checks import check_positive_int
 from hf_chainflow.cli_args import usage_error
-from hf_chainflow.generation.corpus_lookup import ContinuationTable, table_from_corpus
+from hf_chainflow.generation.corpus_lookup import ContinuationTable
+from hf_chainflow.training.corpus_lookup import table_from_corpus
 from hf_chainflow.fileio import atomic_write_text
 
 
 def window_dataset(data_dir, config, **kwargs):
     """The training windows of a prepared data directory for a drafter of `config`
     (`ChainFlowWindowDataset.for_drafter`)."""
-    from hf_chainflow.training.data import ChainFlowWindowDataset
+    from hf_chainflow.training.windows import ChainFlowWindowDataset
 
     return ChainFlowWindowDataset.for_drafter(data_dir, config, **kwargs)
 
@@ -32,11 +34,14 @@ def train_drafter(o: dict) -> int:
     warm-start or resume the drafter, mix in the replay data, train, save to `o["out"]` with
     `train_summary.json`. Returns 0."""
     from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfig
-    from hf_chainflow.training.data import compute_shortlist, layer_statistics, read_shortlist, state_statistics
+    from hf_chainflow.training.prepared_data import (compute_shortlist, layer_statistics, read_shortlist,
+                                                     state_statistics)
     from hf_chainflow.training.evaluation import strict_json
     from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter
     from hf_chainflow.targets import load_model_and_tokenizer
-    from hf_chainflow.training.trainer import ChainFlowTrainer, ChainFlowTrainingArguments, ReplayMixDataset
+    from hf_chainflow.training.trainer import ChainFlowTrainer
+    from hf_chainflow.training.arguments import ChainFlowTrainingArguments
+    from hf_chainflow.training.replay import ReplayMixDataset
 
     manifest, resume = check_training_inputs(o)  # before the target loads: bad data or checkpoints fail now
     # A resumed run continues the checkpoint's own drafter (its sizes, shortlist and state statistics), whatever
@@ -122,11 +127,11 @@ def train_drafter(o: dict) -> int:
 
 def check_training_inputs(o: dict) -> tuple[dict, str | None]:
     """What `hf-chainflow train` checks before it loads a model (`o`: its resolved options): the `--data` and
-    `--replay` folders (`hf_chainflow.training.data.check_prepared_data`: manifest, shortlist, the selected shards) and the
+    `--replay` folders (`hf_chainflow.training.prepared_data.check_prepared_data`: manifest, shortlist, the selected shards) and the
     checkpoint to resume from (`hf_chainflow.training.checkpointing.resolve_resume_checkpoint`: `last` is the newest complete one).
     Returns `(the --data manifest, the checkpoint folder or None)`; raises a `ValueError` naming the file or option
     and the fix."""
-    from hf_chainflow.training.data import check_prepared_data, read_manifest
+    from hf_chainflow.training.prepared_data import check_prepared_data, read_manifest
     from hf_chainflow.training.checkpointing import resolve_resume_checkpoint
 
     finished = read_manifest(o["data"])["finished"]
@@ -206,14 +211,13 @@ def add_corpus_lookup(drafter, corpus, out, *, num_tokens: int = 6, **table_kwar
     """What `hf-chainflow corpus-lookup` does: load the drafter saved at `drafter` (a folder or Hub id) in its stored
     dtype, give it the table of `corpus` (`table_from_corpus(corpus, **table_kwargs)`), turn the branch on
     (`generation_config.corpus_lookup_num_tokens = num_tokens`) and save it to `out`. Returns the table."""
+    from hf_chainflow.generation.drafting import set_continuation_table
     from hf_chainflow.models.chainflow.modeling_chainflow import ChainFlowDrafter
 
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-        raise ValueError(f"`num_tokens` must be a positive integer (the longest corpus-lookup branch), got "
-                         f"{num_tokens!r}.")
+    check_positive_int("num_tokens", num_tokens, meaning="the longest corpus-lookup branch")
     table = table_from_corpus(corpus, **table_kwargs)  # before the drafter loads: a bad corpus fails first
     model = ChainFlowDrafter.from_pretrained(drafter, dtype="auto")
-    model.set_continuation_table(table)  # refuses a table of another vocabulary
+    set_continuation_table(model, table)  # refuses a table of another vocabulary
     model.generation_config.corpus_lookup_num_tokens = num_tokens
     model.save_pretrained(out)
     return table

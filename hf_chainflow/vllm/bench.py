@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from hf_chainflow.cli_args import positive_int
 
 DEFAULT_OUTPUT_DIR = "runs/vllm-bench"
 LOGPROBS = 20  # top logprobs asked of the plain engine at a divergence
@@ -324,24 +325,20 @@ def batch_effect(cells: list[Cell]) -> list[str]:
     return lines
 
 
-def write_results(out: Path, cells: list[Cell], meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "cells": [c.summary() for c in cells],
-                                                  "outputs": {f"{c.arm}@{c.dtype}@{c.concurrency}": c.outputs
-                                                              for c in cells}}, indent=1) + "\n")
+def write_serving_report(out: Path, cells: list[Cell], meta: dict) -> dict[str, Path]:
+    """`results.json` and `results.md` of a serving run, written as the bench writes its own
+    (`hf_chainflow.bench.report.write_report`: atomically)."""
+    from hf_chainflow.bench.report import write_report
+
+    results = {"meta": meta, "cells": [c.summary() for c in cells],
+               "outputs": {f"{c.arm}@{c.dtype}@{c.concurrency}": c.outputs for c in cells}}
     notes = "".join(f"- {line}\n" for line in batch_effect(cells))
-    (out / "results.md").write_text(f"# vLLM serving bench\n\n`{meta['command']}`\n\n{meta['machine']}\n\n"
-                                    + markdown(cells) + ("\n" + notes if notes else ""))
+    text = (f"# vLLM serving bench\n\n`{meta['command']}`\n\n{meta['machine']}\n\n" + markdown(cells)
+            + ("\n" + notes if notes else ""))
+    return write_report(out, results, text)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-
-def _positive(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_chainflow.vllm.bench", description=__doc__.split("\n\n")[0],
@@ -352,14 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", nargs="+", default=["plain", "ngram", "chainflow-2", "chainflow-3", "chainflow-4"],
                    help="plain, ngram, chainflow-K, chainflow-K+lookup (plain always runs: it is the reference)")
     p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["bfloat16"])
-    p.add_argument("--concurrency", nargs="+", type=_positive, default=[1, 8])
-    p.add_argument("--limit", type=_positive, default=40, help="prompts, round-robin over the domains")
+    p.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8])
+    p.add_argument("--limit", type=positive_int, default=40, help="prompts, round-robin over the domains")
     p.add_argument("--prompts", help="a JSONL file of {id, domain, prompt} (default: the shipped evaluation prompts)")
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
-    p.add_argument("--max-model-len", type=_positive, default=2048)
-    p.add_argument("--ngram-tokens", type=_positive, default=4, help="num_speculative_tokens of the ngram arm")
-    p.add_argument("--ngram-min", type=_positive, default=2)
-    p.add_argument("--ngram-max", type=_positive, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--ngram-tokens", type=positive_int, default=4, help="num_speculative_tokens of the ngram arm")
+    p.add_argument("--ngram-min", type=positive_int, default=2)
+    p.add_argument("--ngram-max", type=positive_int, default=4)
     p.add_argument("--tie-tolerance", type=float, default=0.5)
     p.add_argument("--compile", action="store_true", help="let vLLM compile the target (default: enforce_eager)")
     p.add_argument("--out", default=DEFAULT_OUTPUT_DIR)
@@ -392,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"torch {torch.__version__}, AVX-512 BF16: {torch.cpu._is_avx512_bf16_supported()}",
             "prompts": [p.id for p in prompts], "max_new_tokens": args.max_new_tokens}
     meta["batch_effect"] = batch_effect(cells)
-    write_results(out, cells, meta)
+    write_serving_report(out, cells, meta)
     print(markdown(cells) + "".join(f"- {line}\n" for line in meta["batch_effect"]))
     return 0 if all(c.summary()["unexplained"] == 0 for c in cells) else 1
 

@@ -16,7 +16,7 @@ EAGLE-family proposers. They are taken from the target's own forward, with no se
                  (`vllm.forward_context`) gives each request's rows (`query_start_loc`) and positions (`seq_lens`)
     propose      per request: rows of committed tokens (all but the bonus) -> context store -> last `C` states;
                  then one batched drafter pass for all requests with the same chain length and context length
-                 (`predict_states` + the chain search of `drafter.draft(mode="chain")`) -> each chain's tokens
+                 (`predict_states` + the chain search of `drafting.draft(drafter, mode="chain")`) -> each chain's tokens
 
 The context store keys a request's last `C` states by a digest of the committed tokens they follow from, so a
 request is found again in the next step whatever vLLM did to the batch order (finished requests are condensed
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hf_chainflow.generation.search import candidate_search, committed_tails
+from hf_chainflow.generation.serving import serving_velocity
 from hf_chainflow.generation.settings import SearchSettings
 
 from hf_chainflow.vllm.settings import SETTINGS_KEY, check_settings
@@ -288,7 +289,7 @@ class ChainFlowProposer:
     @torch.no_grad()
     def _draft_batch(self, group: list[tuple[int, torch.Tensor, torch.Tensor]], room: int) -> list[list[int]]:
         """One drafter pass for requests with the same chain length and context length: their context states
-        `(B, T, D)` -> predicted states `(B, K, D)` -> one chain of `room` tokens each (`drafter.draft`'s steps,
+        `(B, T, D)` -> predicted states `(B, K, D)` -> one chain of `room` tokens each (`drafting.draft`'s steps,
         batched)."""
         states = torch.stack([g[1] for g in group]).to(self.device)  # (B, T, D)
         p = self.drafter.config.path_order
@@ -296,7 +297,8 @@ class ChainFlowProposer:
                              for g in group])  # (B, p): all the chain search reads of the committed tokens
         settings = SearchSettings(mode="chain", num_tokens=room, max_depth=self.drafter.max_draft_depth)
         # (B, K, D); the bonus token (the tails' last) is read by a drafter with `bonus_embedding`
-        predicted = self.drafter.predict_states(states, num_flow_steps=self.num_flow_steps, bonus_tokens=tails[:, -1])
+        predicted = self.drafter.predict_states(states, num_flow_steps=self.num_flow_steps, bonus_tokens=tails[:, -1],
+                                                velocity=serving_velocity(self.drafter))  # the experts stacked
         batch = candidate_search(self.drafter, predicted, tails, settings)
         chains = [batch.tree(j).tokens.tolist() for j in range(len(group))]
         for chain in chains:

@@ -17,6 +17,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hf_chainflow.checks import check_positive_int, is_int
+
 PROPOSER_CLASS = "hf_chainflow.vllm.proposer.ChainFlowProposer"
 SETTINGS_KEY = "chainflow"
 DRAFTER_DTYPES = ("float32", "bfloat16")
@@ -48,11 +50,7 @@ FIELDS = tuple(ProposerSettings.__dataclass_fields__)
 
 
 def _positive_int(name: str, value, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        none = " or None (off)" if allow_none else ""
-        raise ValueError(f"ChainFlow vLLM setting `{name}` must be a positive integer{none}, got {value!r}.")
+    check_positive_int(name, value, optional=allow_none, none="off", owner="ChainFlow vLLM setting ")
 
 
 def check_settings(raw: dict) -> ProposerSettings:
@@ -106,7 +104,7 @@ def speculative_config(drafter_path: str | os.PathLike | None = None, num_specul
         drafter_path = default_drafter_path()
     checked = check_settings({"drafter_path": str(drafter_path), **settings})
     K = ChainFlowConfig.from_pretrained(checked.drafter_path).num_draft_positions
-    if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) or not (
+    if not is_int(num_speculative_tokens) or not (
             1 <= num_speculative_tokens <= K):
         raise ValueError(f"`num_speculative_tokens` must be an integer in [1, {K}] (the drafter at "
                          f"{checked.drafter_path} predicts K={K} positions per pass), got {num_speculative_tokens!r}.")

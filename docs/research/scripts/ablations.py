@@ -21,7 +21,7 @@ import torch
 import hf_chainflow  # noqa: F401
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.cli_train import parse_shards
-from hf_chainflow.training.data import ChainFlowWindowDataset
+from hf_chainflow.training.windows import ChainFlowWindowDataset
 from hf_chainflow.training.evaluation import evaluate_offline
 from hf_chainflow.targets import load_target
 

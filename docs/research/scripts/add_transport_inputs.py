@@ -17,7 +17,8 @@ import copy
 import torch
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.training.data import ChainFlowWindowDataset, collate, layer_statistics
+from hf_chainflow.training.windows import ChainFlowWindowDataset, collate
+from hf_chainflow.training.prepared_data import layer_statistics
 from hf_chainflow.training.evaluation import draft_batch
 from hf_chainflow.generation.settings import SearchSettings
 from hf_chainflow.targets import load_model_and_tokenizer

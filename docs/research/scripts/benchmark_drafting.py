@@ -29,6 +29,7 @@ import torch
 
 import hf_chainflow  # noqa: F401
 from hf_chainflow import ChainFlowConfig, ChainFlowDrafter
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.targets import load_target
 
 
@@ -75,7 +76,7 @@ def main():
     else:
         shortlist = None
         if args.shortlist_from:
-            from hf_chainflow.training.data import read_shortlist
+            from hf_chainflow.training.prepared_data import read_shortlist
 
             shortlist = read_shortlist(args.shortlist_from)
         config = ChainFlowConfig.for_target(target.config, shortlist=shortlist)
@@ -91,7 +92,7 @@ def main():
         from hf_chainflow.generation.search import candidate_rows
 
         latents, condition, mask = drafter._context(h)  # (1, C, Z), the velocity's conditioning, None
-        velocity, tables = drafter.serving_velocity(), drafter.serving_tables()  # as served: stacked, packed
+        velocity, tables = serving.serving_velocity(drafter), serving.serving_tables(drafter)  # as served
 
         def flow():
             return drafter.integrate(drafter.source(latents, mask), condition, mask, cfg.num_flow_steps,
@@ -108,33 +109,35 @@ def main():
             f"candidate head pass 1 ({g.tree_depth} positions, {drafter.config.serving_head_dtype})": timed(
                 lambda: candidate_rows(states[None, : g.tree_depth], head, cfg.candidate_budget), args.repeats),
             f"search chain {g.num_assistant_tokens}": timed(
-                lambda: drafter.search(states, ids[0], mode="chain", num_tokens=g.num_assistant_tokens), args.repeats),
-            f"search tree {g.tree_width}x{g.tree_depth}": timed(
-                lambda: drafter.search(states, ids[0], mode="tree", tree_width=g.tree_width,
-                                       tree_depth=g.tree_depth), args.repeats),
-            f"full draft, tree {g.tree_width}x{g.tree_depth}": timed(
-                lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth),
+                lambda: drafting.search(drafter, states, ids[0], mode="chain", num_tokens=g.num_assistant_tokens),
                 args.repeats),
+            f"search tree {g.tree_width}x{g.tree_depth}": timed(
+                lambda: drafting.search(drafter, states, ids[0], mode="tree", tree_width=g.tree_width,
+                                        tree_depth=g.tree_depth), args.repeats),
+            f"full draft, tree {g.tree_width}x{g.tree_depth}": timed(
+                lambda: drafting.draft(drafter, h, ids, mode="tree", tree_width=g.tree_width,
+                                       tree_depth=g.tree_depth), args.repeats),
             f"full draft, chain {g.num_assistant_tokens}": timed(
-                lambda: drafter.draft(h, ids, mode="chain", num_tokens=g.num_assistant_tokens), args.repeats),
+                lambda: drafting.draft(drafter, h, ids, mode="chain", num_tokens=g.num_assistant_tokens),
+                args.repeats),
         }
         budget = getattr(g, "tree_budget", None)
         if budget:
             rows[f"full draft, tree {g.tree_width}x{g.tree_depth} cut to {budget} nodes"] = timed(
-                lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
-                                      tree_budget=budget), args.repeats)
+                lambda: drafting.draft(drafter, h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
+                                       tree_budget=budget), args.repeats)
         if args.compile:
             eager = drafter.predict_states
             drafter.predict_states = torch.compile(eager, dynamic=False)
             start = time.perf_counter()
-            drafter.predict_states(h)
+            drafter.predict_states(h, velocity=velocity)
             rows["torch.compile of predict_states (one-off)"] = (time.perf_counter() - start) * 1e3
-            rows["compiled: predict_states"] = timed(lambda: drafter.predict_states(h), args.repeats)
-            rows["eager: predict_states"] = timed(lambda: eager(h), args.repeats)
+            rows["compiled: predict_states"] = timed(lambda: drafter.predict_states(h, velocity=velocity), args.repeats)
+            rows["eager: predict_states"] = timed(lambda: eager(h, velocity=velocity), args.repeats)
             cut = f" cut to {budget} nodes" if budget else ""
             rows[f"compiled: full draft, tree {g.tree_width}x{g.tree_depth}{cut}"] = timed(
-                lambda: drafter.draft(h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
-                                      tree_budget=budget), args.repeats)
+                lambda: drafting.draft(drafter, h, ids, mode="tree", tree_width=g.tree_width, tree_depth=g.tree_depth,
+                                       tree_budget=budget), args.repeats)
             drafter.predict_states = eager
         cache = out.cache if "cache" in out else out.past_key_values
         for n in (1, 4, 8, 11, 13, 23, 32, 33):  # 11: PLD-10; 23: tree + merged branch; 32/33: a kernel step
@@ -193,24 +196,26 @@ def served_round(args):
             f"chain {g.num_assistant_tokens}": base.replace(mode="chain")}
     kwargs = {name: s.draft_kwargs(10 ** 6) for name, s in arms.items()}
     # setup -> (the velocity `serving_tables` hands the round, packed head products?, inductor's C++ wrapper?)
-    stacked, tables = drafter.serving_velocity, drafter.serving_tables
+    stacked, tables = serving.serving_velocity, serving.serving_tables
     setups = {"served": (stacked, True, True)}
     if args.module_experts:
-        setups["module"] = (lambda: drafter.velocity, True, True)
+        setups["module"] = (lambda d: d.velocity, True, True)
     if args.packing:
         setups["unpacked, py"] = (stacked, False, False)
         setups["packed, py"] = (stacked, True, False)
     rounds = {name: CompiledDraftingRound(cpp_wrapper=setup[2]) for name, setup in setups.items()}
 
-    def use(setup):  # instance attributes shadowing the methods (`serving_tables` reads `self.serving_velocity`)
+    def use(setup):  # module attributes shadowing the functions (`drafting.draft` reads `drafting.serving_tables`,
+        # which reads `serving.serving_velocity`)
         velocity, packed, _ = setups[setup]
-        drafter.serving_velocity = velocity
-        drafter.serving_tables = tables if packed else lambda: tables()._replace(head_linear=None, folded_linear=None)
-        drafter._compiled_round = rounds[setup]
+        serving.serving_velocity = velocity
+        drafting.serving_tables = tables if packed else lambda d: tables(d)._replace(head_linear=None,
+                                                                                     folded_linear=None)
+        drafter._runtime["compiled_round"] = rounds[setup]
 
     def draft(states, ids, kw, compiled, setup):
         use(setup)
-        drafter.draft(states, ids, **kw, compile=compiled)
+        drafting.draft(drafter, states, ids, **kw, compile=compiled)
 
     with torch.inference_mode():
         start = time.perf_counter()
@@ -255,7 +260,7 @@ def profile_round(drafter, windows, kwargs, threads, rounds, setup):
     torch.set_num_threads(threads)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(rounds):
-            drafter.draft(*windows[i % len(windows)], **kwargs, compile=True)
+            drafting.draft(drafter, *windows[i % len(windows)], **kwargs, compile=True)
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in rows)
     print(f"profile of the compiled round ({kwargs['mode']}, {setup}, {threads} thread(s)), self CPU per round: "

@@ -1,6 +1,6 @@
 """Analysis (not a test): how far would looked-up branches alone carry the target's held-out responses?
 
-Builds the continuation table of the corpus's training responses (`hf_chainflow.generation.corpus_lookup.table_from_corpus`)
+Builds the continuation table of the corpus's training responses (`hf_chainflow.training.corpus_lookup.table_from_corpus`)
 and walks every held-out response as a serving loop would without a drafter: at each position propose prompt
 lookup's branch (`hf_chainflow.generation.prompt_lookup.prompt_lookup`, K tokens, n-grams 3..1), the table's branch (K tokens), or
 both (the longer accepted prefix counts), accept the matching prefix a, jump a + 1 tokens. Prints tau (tokens per
@@ -15,7 +15,7 @@ import time
 import torch
 
 from hf_chainflow.training.corpus import ResponseCorpus
-from hf_chainflow.generation.corpus_lookup import table_from_corpus
+from hf_chainflow.training.corpus_lookup import table_from_corpus
 from hf_chainflow.generation.prompt_lookup import prompt_lookup
 
 

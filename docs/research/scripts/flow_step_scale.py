@@ -21,6 +21,7 @@ import torch
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation.serving import serving_velocity
 from hf_chainflow.cli import load_model_and_tokenizer
 from hf_chainflow.cli_train import _window_dataset
 from hf_chainflow.training.evaluation import evaluate_offline
@@ -58,7 +59,7 @@ def main() -> None:
         with torch.no_grad():
             ctx, cmask = stack("context_states").float(), stack("context_mask")
             tgt, tmask = stack("target_states").float(), stack("target_mask").bool()
-            pred = drafter.predict_states(ctx, cmask, num_flow_steps=steps).float()
+            pred = drafter.predict_states(ctx, cmask, num_flow_steps=steps, velocity=serving_velocity(drafter)).float()
             err = (pred - tgt).pow(2).sum(-1) / tgt.pow(2).sum(-1).clamp(min=1e-6)  # (B, K)
             per_k = [err[:, k][tmask[:, k]].mean().item() for k in range(err.shape[1])]
         r = evaluate_offline(drafter, data, num_tokens=3, max_windows=3000, tree=(8, 4), tree_budget=12,

@@ -1,9 +1,9 @@
 """Throughput of forward-only data: the target's forward over text it did not write, with and without its labels.
 
 Takes `--sequences` training prompts (not the corpus's held-out ones), formats each as `hf-chainflow prepare
---prompt-text chat` does (`hf_chainflow.training.data.text_ids`), and times, on the same sequences and batches:
+--prompt-text chat` does (`hf_chainflow.training.prompts.text_ids`), and times, on the same sequences and batches:
 
-- `forward`: `hf_chainflow.training.data.target_hidden_states` (the prepare pass: every hidden state, no logits);
+- `forward`: `hf_chainflow.training.hidden_states.target_hidden_states` (the prepare pass: every hidden state, no logits);
 - `forward+labels`: the same plus the target's argmax at every position (`target_argmax`, what `--target-labels`
   adds);
 
@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from hf_chainflow.training.data import load_prompts, target_argmax, target_hidden_states, text_ids
+from hf_chainflow.training.prompts import load_prompts, text_ids
+from hf_chainflow.training.hidden_states import target_argmax, target_hidden_states
 from hf_chainflow.targets import load_target
 
 

@@ -1,7 +1,7 @@
 """Grow the feedback heads of a trained ChainFlow drafter and save the copy.
 
-`--path-width` widens the path head (`ChainFlowDrafter.resize_path_head`), `--markov-rank` raises the Markov head's
-rank (`resize_markov_head`). The copy computes exactly what the original does until it is trained (`hf-chainflow
+`--path-width` widens the path head (`hf_chainflow.training.resize.resize_path_head`), `--markov-rank` raises the
+Markov head's rank (`resize_markov_head`). The copy computes exactly what the original does until it is trained (`hf-chainflow
 train --init-from OUT`); this script checks that on random training windows before saving (the corrected states
 and the logits must agree).
 
@@ -15,6 +15,7 @@ import torch
 
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.targets import load_target
+from hf_chainflow.training.resize import resize_markov_head, resize_path_head
 
 
 def random_windows(drafter, batch: int = 4):
@@ -54,9 +55,9 @@ def main():
     before = forward(drafter, batch)
     sizes = {"path_hidden_size": drafter.config.path_hidden_size, "markov_rank": drafter.config.markov_rank}
     if args.path_width is not None:
-        drafter.resize_path_head(args.path_width)
+        resize_path_head(drafter, args.path_width)
     if args.markov_rank is not None:
-        drafter.resize_markov_head(args.markov_rank)
+        resize_markov_head(drafter, args.markov_rank)
     after = forward(drafter, batch)
     for field in ("corrected_states", "logits"):
         gap = (getattr(after, field) - getattr(before, field)).abs().max().item()

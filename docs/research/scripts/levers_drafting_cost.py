@@ -27,6 +27,7 @@ from benchmark_drafting import answered_windows  # this folder: evaluation promp
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench.machine import machine_info
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting
 from hf_chainflow.generation.settings import SpeculativeSettings
 from hf_chainflow.targets import load_target
 
@@ -82,14 +83,14 @@ def main() -> None:
         for drafter in arms.values():  # the zero-initialised inputs draft what the shipped drafter drafts
             for kw in rounds.values():
                 for w in windows[:16]:
-                    a = shipped.draft(states(shipped, w), w[1], **kw)
-                    b = drafter.draft(states(drafter, w), w[1], **kw)
+                    a = drafting.draft(shipped, states(shipped, w), w[1], **kw)
+                    b = drafting.draft(drafter, states(drafter, w), w[1], **kw)
                     if not (torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)):
                         raise SystemExit("a grown arm drafts differently from the shipped drafter")
         start = time.perf_counter()
         for drafter in arms.values():  # compile each arm's rounds outside timing
             for kw in rounds.values():
-                drafter.draft(states(drafter, windows[0]), windows[0][1], **kw, compile=True)
+                drafting.draft(drafter, states(drafter, windows[0]), windows[0][1], **kw, compile=True)
         compile_s = time.perf_counter() - start
         times = {}
         for i in range(args.rounds + 10):  # the first 10 warm the caches
@@ -98,7 +99,7 @@ def main() -> None:
                 for name, kw in rounds.items():
                     for compiled in (False, True):
                         begin = time.perf_counter()
-                        drafter.draft(states(drafter, w), w[1], **kw, compile=compiled)
+                        drafting.draft(drafter, states(drafter, w), w[1], **kw, compile=compiled)
                         if i >= 10:
                             times.setdefault((arm, name, compiled), []).append(time.perf_counter() - begin)
     load = os.getloadavg()

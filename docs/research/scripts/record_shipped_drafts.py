@@ -17,6 +17,7 @@ import torch
 import hf_chainflow  # noqa: F401
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.targets import load_target
 from hf_chainflow.generation.verification import select_target_states
 
@@ -40,11 +41,12 @@ def main() -> None:
         out = []
         for case in ref["cases"]:
             cut = case["cut"]
-            tree = drafter.draft(states[:, :cut - 1], ids[:, :cut], **case["kwargs"])
+            tree = drafting.draft(drafter, states[:, :cut - 1], ids[:, :cut], **case["kwargs"])
             row = {"cut": cut, "kwargs": case["kwargs"], "tokens": tree.tokens.tolist(),
                    "parents": tree.parents.tolist()}
             if "states_sum" in case:
-                row["states_sum"] = float(drafter.predict_states(states[:, :cut - 1]).double().sum())
+                row["states_sum"] = float(drafter.predict_states(
+                    states[:, :cut - 1], velocity=serving.serving_velocity(drafter)).double().sum())
             out.append(row)
         return out
 

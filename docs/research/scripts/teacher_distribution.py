@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from hf_chainflow import ChainFlowDrafter
-from hf_chainflow.training.data import ChainFlowWindowDataset, collate
+from hf_chainflow.training.windows import ChainFlowWindowDataset, collate
 from hf_chainflow.targets import load_target
 
 

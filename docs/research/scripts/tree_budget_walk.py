@@ -29,8 +29,9 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_chainflow import ChainFlowDrafter
+from hf_chainflow.generation import drafting
 from hf_chainflow.cli_train import parse_shards
-from hf_chainflow.training.data import ChainFlowWindowDataset
+from hf_chainflow.training.windows import ChainFlowWindowDataset
 from hf_chainflow.training.evaluation import sequence_walks, tree_matching_path, walk_rounds
 from hf_chainflow.targets import load_target
 
@@ -52,7 +53,7 @@ def path_ranks(drafter, window: dict, width: int, depth: int) -> tuple[np.ndarra
     """Full-tree path log-probabilities, sorted `(N,)`, and the rank of each target path node `(depth,)`."""
     states = window["context_states"][window["context_mask"].bool()][None]  # (1, T<=C, D)
     committed = window["prev_tokens"][: drafter.config.path_order][None]  # (1, p), the last is the bonus token
-    tree = drafter.draft(states, committed, mode="tree", tree_width=width, tree_depth=depth)
+    tree = drafting.draft(drafter, states, committed, mode="tree", tree_width=width, tree_depth=depth)
     cum = tree.cumulative_logprobs()  # (N,)
     order = torch.sort(cum, descending=True, stable=True).indices  # the order `DraftTree.top_nodes` keeps
     rank = torch.empty_like(order)

@@ -21,6 +21,7 @@ import torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.bench import Arm, build_arms
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting
 from hf_chainflow.training.corpus import ResponseCorpus
 from hf_chainflow.generation.corpus_lookup import ContinuationTable
 from hf_chainflow.targets import load_model_and_tokenizer
@@ -53,11 +54,11 @@ def main():
     drafters = {}  # one drafter a table: "chainflow" holds the first, "minN" the others
     for n in shortest:
         drafter = ChainFlowDrafter.from_pretrained(str(default_drafter_path()), target=model).eval()
-        drafter.set_continuation_table(ContinuationTable.build(
+        drafting.set_continuation_table(drafter, ContinuationTable.build(
             (r["prompt_ids"][-args.prompt_tail:] + r["response_ids"] for r in rows),
             vocab_size=model.config.vocab_size, min_count=args.min_count, min_ngram=n))
         drafters["chainflow" if not drafters else f"min{n}"] = drafter
-        print(f"table {n}-4: {len(drafter.continuation_table):,} n-grams from {len(rows):,} responses "
+        print(f"table {n}-4: {len(drafting.continuation_table(drafter)):,} n-grams from {len(rows):,} responses "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     g = drafter.generation_config
     tree_lookup = {"tree_width": g.tree_width, "tree_depth": g.tree_depth, "tree_budget": g.tree_budget,

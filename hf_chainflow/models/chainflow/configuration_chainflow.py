@@ -8,6 +8,8 @@ from collections import Counter
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from hf_chainflow.models.chainflow.checks import check_table_shape
+
 SOURCES = ("extrapolate", "repeat", "noise")
 FEEDBACK = ("none", "markov", "markov+path")
 ATTENTION = ("causal", "bidirectional")
@@ -64,10 +66,10 @@ class ChainFlowConfig(PreTrainedConfig):
         fresh drafter starts as the final-states-only one. The flow source and the VAE still read the final states.
         The drafter's context states are then `(..., (1 + n) * D)`: the final state, then each layer's output.
         `None` (default): the final states only.
-    continuation_table_size (`int`): entries of the drafter's corpus-lookup table (`hf_chainflow.generation.corpus_lookup`:
-        the target's most frequent next token after each n-gram of its responses), saved as the buffers
-        `continuation_keys` / `continuation_next_tokens`; 0 (default): no table. Set by
-        [`~ChainFlowDrafter.set_continuation_table`].
+    continuation_table_size (`int`): entries of the drafter's corpus-lookup table
+        (`hf_chainflow.generation.corpus_lookup`: the target's most frequent next token after each n-gram of its
+        responses), saved as the buffers `continuation_keys` / `continuation_next_tokens`; 0 (default): no table.
+        Set by `hf_chainflow.generation.drafting.set_continuation_table(drafter, table)`.
     continuation_min_ngram / continuation_max_ngram (`int`): the n-gram lengths the table holds (2 and 4 by
         default; written by `set_continuation_table`); with a table, `continuation_max_ngram` times the bits of a
         token id must fit in 64.
@@ -144,8 +146,6 @@ class ChainFlowConfig(PreTrainedConfig):
             raise ValueError(f"`continuation_table_size` must be a non-negative integer (0: no corpus-lookup table), "
                              f"got {size!r}.")
         if size:
-            from hf_chainflow.generation.corpus_lookup import check_table_shape
-
             check_table_shape(self.vocab_size, self.continuation_min_ngram, self.continuation_max_ngram,
                               prefix="continuation_")
         _choice("source", self.source, SOURCES)

@@ -6,6 +6,7 @@ compiled round. Run from the repository root: `PYTHONPATH=. python docs/research
 import sys, torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.generation.drafting_round import compare_drafts
 from hf_chainflow.generation.search import committed_tails, candidate_rows, search_levels, DraftBatch
 from hf_chainflow.generation.settings import SpeculativeSettings, SearchSettings
@@ -27,7 +28,7 @@ with torch.inference_mode():
     for done, states, committed in held_out_windows(target, C, max(want) + 1):
         if done in want:
             tails = committed_tails(committed, p, pad)
-            tables = drafter.serving_tables()
+            tables = serving.serving_tables(drafter)
             se = transport(states, tails, tables.velocity)
             sc = ctransport(states, tails, tables.velocity)
             re, _ = candidate_rows(se[:, :4], tables.head, M)
@@ -35,7 +36,7 @@ with torch.inference_mode():
             diff_rows = len(set(re[0].tolist()) ^ set(rc[0].tolist()))
             te = DraftBatch(*search_levels(drafter, tables, se, tails, search)).tree(0)
             tec = DraftBatch(*search_levels(drafter, tables, sc, tails, search)).tree(0)
-            tc = drafter.draft(states, committed, **kwargs, compile=True)
+            tc = drafting.draft(drafter, states, committed, **kwargs, compile=True)
             print(done, f"states max|diff| {float((se - sc).abs().max()):.2e}", "candidate rows differ:", diff_rows,
                   "eager-search(compiled states) vs compiled round:", compare_drafts(tc, tec),
                   "eager vs compiled round:", compare_drafts(te, tc),

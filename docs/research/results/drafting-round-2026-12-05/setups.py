@@ -5,6 +5,7 @@ held-out windows. Run from the repository root: `PYTHONPATH=. python docs/resear
 import sys, torch
 from hf_chainflow import ChainFlowDrafter
 from hf_chainflow.checkpoints import default_drafter_path
+from hf_chainflow.generation import drafting, serving
 from hf_chainflow.generation.drafting_round import compare_drafts, drafting_round, CompiledDraftingRound
 from hf_chainflow.generation.search import DraftBatch, committed_tails
 from hf_chainflow.generation.settings import SearchSettings, SpeculativeSettings
@@ -19,19 +20,19 @@ settings = SpeculativeSettings.from_drafter(drafter).replace(lookup_num_tokens=N
 kwargs = settings.draft_kwargs(10 ** 6)
 C, p, pad = drafter.context_size, drafter.config.path_order, drafter.config.pad_token_id or 0
 search = SearchSettings(**{k: v for k, v in kwargs.items() if k != "num_flow_steps"}, max_depth=drafter.max_draft_depth)
-tables0 = drafter.serving_tables
+tables0 = serving.serving_tables
 setups = {"unpacked,py": (False, False), "packed,py": (True, False), "unpacked,cpp": (False, True), "packed,cpp": (True, True)}
 rounds = {k: CompiledDraftingRound(cpp_wrapper=v[1]) for k, v in setups.items()}
 counts = {k: {"same": 0, "near-tie": 0, "different": 0} for k in setups}
 gaps = {k: 0.0 for k in setups}
 with torch.inference_mode():
     for done, states, committed in held_out_windows(target, C, N):
-        tables = tables0()._replace(velocity=drafter.velocity, head_linear=None, folded_linear=None)
+        tables = tables0(drafter)._replace(velocity=drafter.velocity, head_linear=None, folded_linear=None)
         want = DraftBatch(*drafting_round(drafter, tables, states, committed_tails(committed, p, pad), search, kwargs["num_flow_steps"])).tree(0)
         for k, (packed, cpp) in setups.items():
-            drafter.serving_tables = tables0 if packed else (lambda: tables0()._replace(head_linear=None, folded_linear=None))
-            drafter._compiled_round = rounds[k]
-            got = drafter.draft(states, committed, **kwargs, compile=True)
+            drafting.serving_tables = tables0 if packed else (lambda d: tables0(d)._replace(head_linear=None, folded_linear=None))
+            drafter._runtime["compiled_round"] = rounds[k]
+            got = drafting.draft(drafter, states, committed, **kwargs, compile=True)
             v = compare_drafts(want, got); counts[k][v] += 1
             if v == "same":
                 gaps[k] = max(gaps[k], float((want.logprobs - got.logprobs).abs().max()))

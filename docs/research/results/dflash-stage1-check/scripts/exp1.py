@@ -3,7 +3,7 @@ torch.set_num_threads(1)
 from transformers import AutoModel
 from hf_chainflow.targets import load_model_and_tokenizer
 from hf_chainflow.training.corpus import ResponseCorpus
-from hf_chainflow.training.data import prepare
+from hf_chainflow.training.prepare import prepare
 from hf_chainflow.training.dflash import dflash_block_logits
 from hf_chainflow.training.dflash_data import DFlashWindowDataset
 from types import SimpleNamespace

@@ -1,0 +1,232 @@
+"""Proposers: where the drafts of hf_chainflow's loop come from (`hf_chainflow.generation.loop`).
+
+Each round the loop asks its proposer for one draft per active row, verifies every row's draft in one target
+forward, accepts per row and tells the proposer what each row kept. A proposer implements `Proposer`:
+
+    begin(hidden, starts)        after the prefill: the target's states `(B, L, D')` of the prompt, row b's from
+                                 column `starts[b]` (its left padding before)
+    propose(rows) -> [Draft]     one draft per active row (`Row`: its index, committed tokens, room left)
+    accepted(rows, drafts, n)    after acceptance: row r accepted `n[r]` nodes of `drafts[r].tree`
+    commit(rows, kept)           the verified states `(m_r + 1, D')` of each row's root + accepted nodes that the
+                                 cache keeps (the inputs it drops are gone)
+    select(keep)                 rows leaving the batch: the proposer keeps the rows `keep` (indices into the
+                                 active rows), in that order
+
+`state_layers` names the decoder layers whose outputs the forwards return beside the final states (`D' = (1 + m) D`).
+
+- `ChainFlowProposer`: a ChainFlow drafter's pass over each row's last `C` committed states (the drafter
+  `hf_chainflow.testing.OracleDrafter` too), a chain or a tree (`drafter.generation_config`).
+- `LookupProposer`: the prompt-lookup branch (`hf_chainflow.generation.prompt_lookup`) and the corpus-lookup branch
+  (`hf_chainflow.generation.corpus_lookup`) of each row; a trusted prompt-lookup match (`lookup_trust_ngram`) is
+  verified without a drafter pass, and its length grows while it holds (`lookup_max_tokens`).
+- `BranchedProposer`: a drafter's proposer plus the lookup branches, merged into one tree per row (the shipped
+  setting: an 8x4 tree cut to 12 nodes plus a prompt-lookup branch).
+
+A fused-forward proposer (the Lafa issue: the target drafts its next block in the verification forward) implements
+the same five calls; the verify forward's extra rows it needs are that issue's to add to
+`hf_chainflow.generation.verification`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_chainflow.generation import drafting
+from hf_chainflow.generation.prompt_lookup import RoundBranches, next_lookup_length, round_branches
+from hf_chainflow.generation.tree import DraftTree
+
+__all__ = ["Row", "Draft", "Proposer", "ChainFlowProposer", "LookupProposer", "BranchedProposer", "make_proposer"]
+
+
+@dataclass
+class Row:
+    """One active row of a round: `index` (its place among the call's rows), `committed` `(L_b,)` (its tokens
+    without padding; the last one is the round's root), `room` (tokens left before `max_length`, minus the bonus)."""
+
+    index: int
+    committed: torch.LongTensor
+    room: int
+
+
+@dataclass
+class Draft:
+    """One row's draft: the `tree` to verify (empty when the row has no room) and the looked-up `branches` it holds
+    (for the statistics)."""
+
+    tree: DraftTree
+    branches: RoundBranches = field(default_factory=RoundBranches)
+
+
+class Proposer(ABC):
+    """The interface of a source of drafts in hf_chainflow's loop (see the module docstring)."""
+
+    state_layers: tuple[int, ...] = ()
+
+    def begin(self, hidden: torch.Tensor, starts: list[int]) -> None:
+        """After the prefill (`hidden` `(B, L, D')`, row b valid from `starts[b]`)."""
+
+    @abstractmethod
+    def propose(self, rows: list[Row]) -> list[Draft]:
+        """One draft per row, each within its row's `room` (an empty tree when `room < 1`)."""
+
+    def accepted(self, rows: list[Row], drafts: list[Draft], counts: list[int]) -> None:
+        """After acceptance: row `rows[r]` accepted `counts[r]` nodes of `drafts[r].tree`."""
+
+    def commit(self, rows: list[Row], kept: list[torch.Tensor]) -> None:
+        """The verified states `(m + 1, D')` of each row's root + accepted nodes, as the cache keeps them."""
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only the active rows `keep` (indices into the current active rows), in that order."""
+
+
+def _context(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows' committed states `(T_b, D)` -> left-padded `(R, T, D)` and mask `(R, T)` (`None` when none is padded)."""
+    T = max(s.shape[0] for s in states)
+    if all(s.shape[0] == T for s in states):
+        return torch.stack(states), None
+    out = states[0].new_zeros(len(states), T, states[0].shape[-1])
+    mask = torch.zeros(len(states), T, dtype=torch.bool, device=states[0].device)
+    for i, s in enumerate(states):
+        out[i, T - s.shape[0]:] = s
+        mask[i, T - s.shape[0]:] = True
+    return out, mask
+
+
+def _cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
+    """The nodes of `tree` at depth <= `depth` (a node's ancestors are shallower, so it stays a tree)."""
+    if tree.max_depth <= depth:
+        return tree
+    return tree.take(torch.nonzero(tree.depths <= depth).flatten())
+
+
+class ChainFlowProposer(Proposer):
+    """A ChainFlow drafter's pass for every row that drafts, from each row's last `C` committed target states.
+
+    Args:
+        drafter: a `ChainFlowDrafter` bound to the target (or the test double `OracleDrafter`).
+        settings: the call's `SpeculativeSettings`.
+        single: the call is one unpadded prompt: its rows draft through `drafting.draft` (the compiled round when
+            `compile_drafting` is on), a batch through `drafting.draft_batch` (one pass for every drafting row).
+    """
+
+    def __init__(self, drafter, settings, single: bool):
+        self.drafter, self.settings, self.single = drafter, settings, single
+        self.state_layers = tuple(getattr(drafter, "state_layers", ()))  # fused target layers; none: final states
+        self.context_size = drafter.context_size
+        self.states: list[torch.Tensor] = []  # per active row: its last <= C committed states (T_b, D')
+
+    def begin(self, hidden, starts):
+        self.states = [hidden[b, start:][-self.context_size:] for b, start in enumerate(starts)]
+
+    def propose(self, rows):
+        drafts = [Draft(DraftTree.empty(r.committed.device)) for r in rows]
+        drafting_rows = [i for i, r in enumerate(rows) if r.room >= 1]
+        if not drafting_rows:
+            return drafts
+        if self.single:
+            (i,) = drafting_rows
+            tree = drafting.draft(self.drafter, self.states[i][None], rows[i].committed[None],
+                                  **self.settings.draft_kwargs(rows[i].room))
+            drafts[i] = Draft(tree)
+            return drafts
+        context, mask = _context([self.states[i] for i in drafting_rows])
+        trees = drafting.draft_batch(self.drafter, context, [rows[i].committed for i in drafting_rows], mask,
+                                     **self.settings.draft_kwargs(max(rows[i].room for i in drafting_rows)))
+        for i, tree in zip(drafting_rows, trees):
+            drafts[i] = Draft(_cut_to_depth(tree, rows[i].room))
+        return drafts
+
+    def commit(self, rows, kept):
+        self.states = [torch.cat([s, k.to(s.dtype)])[-self.context_size:] for s, k in zip(self.states, kept)]
+
+    def select(self, keep):
+        self.states = [self.states[i] for i in keep]
+
+
+class LookupProposer(Proposer):
+    """Each row's prompt-lookup branch (and corpus-lookup branch with a `ContinuationTable`), as chains; a trusted
+    prompt-lookup match grows after a round that accepted it whole (`next_lookup_length`)."""
+
+    def __init__(self, settings, table=None):
+        self.settings, self.table = settings, table
+        self.lengths: list[int | None] = []  # per active row: the next prompt-lookup length
+
+    def begin(self, hidden, starts):
+        self.lengths = [self.settings.lookup_num_tokens] * len(starts)
+
+    def branches(self, rows: list[Row]) -> list[RoundBranches]:
+        return [round_branches(r.committed, r.room, self.lengths[i], self.settings, self.table)
+                for i, r in enumerate(rows)]
+
+    def propose(self, rows):
+        drafts = []
+        for r, b in zip(rows, self.branches(rows)):
+            tree = DraftTree.empty(r.committed.device) if b.lookup is None else DraftTree.chain(b.lookup)
+            drafts.append(Draft(tree if b.recalled is None else tree.with_chain(b.recalled), b))
+        return drafts
+
+    def accepted(self, rows, drafts, counts):
+        s = self.settings
+        for i, (draft, n) in enumerate(zip(drafts, counts)):
+            if draft.branches.trusted and s.lookup_max_tokens is not None:  # a copy that held: try a longer one
+                self.lengths[i] = next_lookup_length(self.lengths[i], n, draft.tree.num_nodes, s.lookup_num_tokens,
+                                                     s.lookup_max_tokens)
+
+    def select(self, keep):
+        self.lengths = [self.lengths[i] for i in keep]
+
+
+class BranchedProposer(Proposer):
+    """A drafter's proposer plus the lookup branches, one tree per row: a row with a trusted prompt-lookup match
+    verifies that branch without a drafter pass; the others get the drafter's tree with the prompt-lookup branch
+    merged in; the corpus-lookup branch joins every row's tree."""
+
+    def __init__(self, drafter: Proposer, lookup: LookupProposer):
+        self.drafter, self.lookup = drafter, lookup
+        self.state_layers = drafter.state_layers
+
+    def begin(self, hidden, starts):
+        self.drafter.begin(hidden, starts)
+        self.lookup.begin(hidden, starts)
+
+    def propose(self, rows):
+        branches = self.lookup.branches(rows)
+        drafts: list[Draft | None] = [None] * len(rows)
+        for i, (r, b) in enumerate(zip(rows, branches)):
+            if r.room < 1:
+                drafts[i] = Draft(DraftTree.empty(r.committed.device), b)
+            elif b.trusted:  # a long match: verify the looked-up branch alone, no drafter pass
+                drafts[i] = Draft(DraftTree.chain(b.lookup), b)
+        # the drafter drafts for the other rows (rows without room or with a trusted branch get room 0: no pass)
+        own = self.drafter.propose([Row(r.index, r.committed, r.room if d is None else 0)
+                                    for r, d in zip(rows, drafts)])
+        for i, (b, d) in enumerate(zip(branches, own)):
+            if drafts[i] is None:
+                drafts[i] = Draft(d.tree if b.lookup is None else d.tree.with_chain(b.lookup), b)
+            if b.recalled is not None:
+                drafts[i] = Draft(drafts[i].tree.with_chain(b.recalled), b)
+        return drafts
+
+    def accepted(self, rows, drafts, counts):
+        self.drafter.accepted(rows, drafts, counts)
+        self.lookup.accepted(rows, drafts, counts)
+
+    def commit(self, rows, kept):
+        self.drafter.commit(rows, kept)
+        self.lookup.commit(rows, kept)
+
+    def select(self, keep):
+        self.drafter.select(keep)
+        self.lookup.select(keep)
+
+
+def make_proposer(drafter, settings, single: bool) -> Proposer:
+    """The proposer of a call: the drafter's, with the lookup branches when the settings ask for one."""
+    own = ChainFlowProposer(drafter, settings, single)
+    if not settings.has_lookup:
+        return own
+    table = drafting.continuation_table(drafter) if settings.corpus_lookup_num_tokens is not None else None
+    return BranchedProposer(own, LookupProposer(settings, table))
