@@ -7,9 +7,10 @@ command until it runs a subcommand, import neither torch nor transformers.
 The `generate` hook (`hf_chainflow.generation.hook.install`: `model.generate(..., assistant_model=drafter)` routed for
 ChainFlow drafters only) is installed, and the `chainflow` model type registered with `AutoConfig`/`AutoModel`, the
 first time a public name is read from the package top, or a module that defines drafters or their config
-(`hf_chainflow.models.chainflow.modeling_chainflow`, `hf_chainflow.models.chainflow.configuration_chainflow`, `hf_chainflow.testing`) or the hook's
-own module is imported, whichever comes first. So a drafter given to `generate` always finds the hook installed,
-however it was made.
+(`hf_chainflow.models.chainflow.modeling_chainflow`, `...configuration_chainflow`) or the hook's own module is
+imported, whichever comes first (once the outermost import running is done); the test double
+`hf_chainflow.testing.OracleDrafter` installs it when made. So a drafter given to `generate` always finds the hook
+installed, however it was made.
 """
 
 import sys

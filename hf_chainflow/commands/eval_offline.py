@@ -29,7 +29,7 @@ def add_eval_offline_parser(sub) -> None:
     a("--batch-size", type=positive_int, default=64, help="windows per batched drafter pass")
     a("--max-windows", type=positive_int, help="evaluate a seeded random subset of this many windows")
     a("--shards", type=parse_shards, help="evaluate only these finished shards, e.g. a held-out `7-25`")
-    a("--reference", action="store_true", help="one drafter.draft call per window instead of the batched path")
+    a("--reference", action="store_true", help="one drafting.draft call per window instead of the batched path")
     a("--walk-sequences", type=positive_int, help="also replay the serving walk on this many responses (seeded): the tau a "
                                          "serving loop would measure on them (draft, accept a, jump a + 1 tokens)")
     a("--dtype", choices=("float32", "bfloat16"), default="float32")

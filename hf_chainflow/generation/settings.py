@@ -56,6 +56,15 @@ def parse_tree_shape(text: str, name: str = "--tree") -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def check_trust_ngram(trust, ngram, name: str) -> None:
+    """The rule of a trusted prompt-lookup match, wherever it is set (a drafter's generation config, the vLLM
+    proposer's settings): `lookup_trust_ngram` (None: off) cannot exceed `lookup_ngram`, the longest n-gram looked
+    up. `name` starts the message (e.g. "`drafter.generation_config.")."""
+    if trust is not None and trust > ngram:
+        raise ValueError(f"{name}lookup_trust_ngram` ({trust}) cannot exceed `lookup_ngram` ({ngram}), the longest "
+                         f"n-gram looked up.")
+
+
 def lookup_settings(g) -> dict:
     """The prompt-lookup fields of a drafter's generation config (`lookup_num_tokens`, `lookup_ngram`,
     `lookup_trust_ngram`, `lookup_max_tokens`; see `hf_chainflow.generation.prompt_lookup`), validated (`ValueError` naming the
@@ -70,9 +79,7 @@ def lookup_settings(g) -> dict:
             raise ValueError(f"`{_CONFIG}{name}` must be a positive integer"
                              f"{'' if name == 'lookup_ngram' else ' or None (off)'}, got {value!r}.")
     trust = out["lookup_trust_ngram"]
-    if trust is not None and trust > out["lookup_ngram"]:
-        raise ValueError(f"`{_CONFIG}lookup_trust_ngram` ({trust}) cannot exceed `lookup_ngram` "
-                         f"({out['lookup_ngram']}), the longest n-gram looked up.")
+    check_trust_ngram(trust, out["lookup_ngram"], f"`{_CONFIG}")
     longest = out["lookup_max_tokens"]
     if longest is not None and out["lookup_num_tokens"] is not None:
         if longest < out["lookup_num_tokens"]:
@@ -431,5 +438,5 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
 
 
 __all__ = ["DRAFT_MODES", "SUPPORTED_ATTN_IMPLEMENTATIONS", "SearchSettings", "SpeculativeSettings",
-           "check_attention_mask", "check_draft_shape", "check_num_flow_steps", "is_stateful_target", "lookup_settings", "parse_tree_shape",
-           "validate_speculative_call"]
+           "check_attention_mask", "check_draft_shape", "check_num_flow_steps", "check_trust_ngram",
+           "is_stateful_target", "lookup_settings", "parse_tree_shape", "validate_speculative_call"]

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hf_chainflow.checks import check_positive_int, is_int
+from hf_chainflow.generation.settings import check_trust_ngram
 
 PROPOSER_CLASS = "hf_chainflow.vllm.proposer.ChainFlowProposer"
 SETTINGS_KEY = "chainflow"
@@ -80,9 +81,7 @@ def check_settings(raw: dict) -> ProposerSettings:
     _positive_int("lookup_ngram", settings.lookup_ngram, allow_none=False)
     if settings.dtype not in DRAFTER_DTYPES:
         raise ValueError(f"ChainFlow vLLM setting `dtype` must be one of {DRAFTER_DTYPES}, got {settings.dtype!r}.")
-    if settings.lookup_trust_ngram is not None and settings.lookup_trust_ngram > settings.lookup_ngram:
-        raise ValueError(f"ChainFlow vLLM setting `lookup_trust_ngram` ({settings.lookup_trust_ngram}) cannot exceed "
-                         f"`lookup_ngram` ({settings.lookup_ngram}), the longest n-gram looked up.")
+    check_trust_ngram(settings.lookup_trust_ngram, settings.lookup_ngram, "ChainFlow vLLM setting `")
     return ProposerSettings(**{**settings.to_dict(), "drafter_path": str(Path(path).resolve())})
 
 

@@ -10,6 +10,10 @@ prompts are those `hf-chainflow bench --limit N` takes (round-robin over the dom
 domain). Then, at the first prompt's context, it times the same 13-token forward three ways: plain causal, through
 `verify_forward` (tree position ids and 4D ancestor mask), and a one-token step, so the mask's own cost can be read
 off.
+
+It wraps the single-prompt loop's functions as they were before the one batched loop (issue 63): run it at commit
+314d761 (`git worktree add /tmp/old 314d761`, then `PYTHONPATH=/tmp/old python ...`); the same holds for
+`benchmark_drafting.py --served-round` and `levers_drafting_cost.py`, which time `drafter.draft`.
 """
 
 import argparse
