@@ -27,8 +27,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_chainflow"
 MAP = ROOT / "docs" / "layout.md"
@@ -471,5 +469,5 @@ def test_the_checks_catch_each_kind_of_violation(tmp_path):
     assert "training/trainer.py: 602 lines" in sizes and "trainer.py:2: class Big, 401 lines" in sizes
     heavy = help_path_violations(tmp_path)
     assert heavy == [f"hf_chainflow/models/chainflow/modeling.py:1: `torch` at module level, on the path of "
-                     f"`hf-chainflow --help` (rule: the command line parses without torch or transformers; import "
-                     f"it inside the function that needs it)"]
+                     "`hf-chainflow --help` (rule: the command line parses without torch or transformers; import "
+                     "it inside the function that needs it)"]
