@@ -150,8 +150,10 @@ def speculative_generate(
         # 3. Verify: one target forward over every active row's [root] + nodes.
         start = time.perf_counter()
         trees = [d.tree for d in drafts]
+        extra = [d.extra for d in drafts] if any(d.extra is not None for d in drafts) else None
         result = verification.verify_forward_batch(model, cache, rows, [int(seqs[b][-1]) for b in active], trees,
-                                                   method=gdn_method, state_layers=proposer.state_layers)
+                                                   method=gdn_method, state_layers=proposer.state_layers,
+                                                   extra=extra)
         stats.forwards += 1
         paths, counts, kept = [], [], []
         for i, b in enumerate(active):
@@ -181,7 +183,13 @@ def speculative_generate(
             counts.append(len(acc.nodes))
             kept.append(result.hidden_states[i, [0] + [j + 1 for j in paths[-1]]])  # (m + 1, D')
             row_stats[b].record_round(len(acc.nodes), tree.max_depth)
-        proposer.accepted(round_rows, drafts, counts)
+        extra_out = None
+        if extra is not None:  # a fused-forward proposer's own rows: after the largest draft's inputs
+            n = result.handle.num_inputs - max(0 if e is None else e.num_inputs for e in extra)
+            extra_out = [None if e is None else (result.logits[i, n : n + e.num_inputs],
+                                                 result.hidden_states[i, n : n + e.num_inputs])
+                         for i, e in enumerate(extra)]
+        proposer.accepted(round_rows, drafts, counts, extra_out)
 
         # 6. Commit: each row keeps its root + accepted path, the proposer their states; finished rows leave.
         verification.commit_batch(model, cache, rows, paths, result.handle)

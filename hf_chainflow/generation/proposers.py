@@ -6,7 +6,8 @@ forward, accepts per row and tells the proposer what each row kept. A proposer i
     begin(hidden, starts)        after the prefill: the target's states `(B, L, D')` of the prompt, row b's from
                                  column `starts[b]` (its left padding before)
     propose(rows) -> [Draft]     one draft per active row (`Row`: its index, committed tokens, room left)
-    accepted(rows, drafts, n)    after acceptance: row r accepted `n[r]` nodes of `drafts[r].tree`
+    accepted(rows, drafts, n, extra_out)  after acceptance: row r accepted `n[r]` nodes of `drafts[r].tree`;
+                                 `extra_out[r]`: the verify forward's `(logits, hidden)` of the row's extra inputs
     commit(rows, kept)           the verified states `(m_r + 1, D')` of each row's root + accepted nodes that the
                                  cache keeps (the inputs it drops are gone)
     select(keep)                 rows leaving the batch: the proposer keeps the rows `keep` (indices into the
@@ -23,8 +24,9 @@ forward, accepts per row and tells the proposer what each row kept. A proposer i
   setting: an 8x4 tree cut to 12 nodes plus a prompt-lookup branch).
 
 A fused-forward proposer (the Lafa issue: the target drafts its next block in the verification forward) implements
-the same five calls; the verify forward's extra rows it needs are that issue's to add to
-`hf_chainflow.generation.verification`.
+the same five calls and adds its own rows to a round: `Draft.extra` (`verification.ExtraInputs`: tokens, positions,
+what they see) are scored in the same target forward after the row's draft, never seen by the draft's inputs, their
+outputs handed back in `accepted`, and dropped at commit (attention-only targets).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from hf_chainflow.generation import drafting
 from hf_chainflow.generation.prompt_lookup import RoundBranches, next_lookup_length, round_branches
 from hf_chainflow.generation.tree import DraftTree
+from hf_chainflow.generation.verification import ExtraInputs
 
 __all__ = ["Row", "Draft", "Proposer", "ChainFlowProposer", "LookupProposer", "BranchedProposer", "make_proposer"]
 
@@ -53,11 +56,13 @@ class Row:
 
 @dataclass
 class Draft:
-    """One row's draft: the `tree` to verify (empty when the row has no room) and the looked-up `branches` it holds
-    (for the statistics)."""
+    """One row's draft: the `tree` to verify (empty when the row has no room), the looked-up `branches` it holds
+    (for the statistics) and a fused-forward proposer's `extra` inputs (scored beside the draft, dropped at
+    commit)."""
 
     tree: DraftTree
     branches: RoundBranches = field(default_factory=RoundBranches)
+    extra: ExtraInputs | None = None
 
 
 class Proposer(ABC):
@@ -72,8 +77,11 @@ class Proposer(ABC):
     def propose(self, rows: list[Row]) -> list[Draft]:
         """One draft per row, each within its row's `room` (an empty tree when `room < 1`)."""
 
-    def accepted(self, rows: list[Row], drafts: list[Draft], counts: list[int]) -> None:
-        """After acceptance: row `rows[r]` accepted `counts[r]` nodes of `drafts[r].tree`."""
+    def accepted(self, rows: list[Row], drafts: list[Draft], counts: list[int],
+                 extra_out: list | None = None) -> None:
+        """After acceptance: row `rows[r]` accepted `counts[r]` nodes of `drafts[r].tree`; `extra_out[r]` is the
+        verify forward's `(logits (E, V), hidden (E, D'))` of the row's extra inputs (None without; `extra_out` is
+        None when no row had any)."""
 
     def commit(self, rows: list[Row], kept: list[torch.Tensor]) -> None:
         """The verified states `(m + 1, D')` of each row's root + accepted nodes, as the cache keeps them."""
@@ -168,7 +176,7 @@ class LookupProposer(Proposer):
             drafts.append(Draft(tree if b.recalled is None else tree.with_chain(b.recalled), b))
         return drafts
 
-    def accepted(self, rows, drafts, counts):
+    def accepted(self, rows, drafts, counts, extra_out=None):
         s = self.settings
         for i, (draft, n) in enumerate(zip(drafts, counts)):
             if draft.branches.trusted and s.lookup_max_tokens is not None:  # a copy that held: try a longer one
@@ -210,9 +218,9 @@ class BranchedProposer(Proposer):
                 drafts[i] = Draft(drafts[i].tree.with_chain(b.recalled), b)
         return drafts
 
-    def accepted(self, rows, drafts, counts):
-        self.drafter.accepted(rows, drafts, counts)
-        self.lookup.accepted(rows, drafts, counts)
+    def accepted(self, rows, drafts, counts, extra_out=None):
+        self.drafter.accepted(rows, drafts, counts, extra_out)
+        self.lookup.accepted(rows, drafts, counts, extra_out)
 
     def commit(self, rows, kept):
         self.drafter.commit(rows, kept)

@@ -46,7 +46,7 @@ from hf_chainflow.generation.hybrid import (GDN_METHODS, TREE_KWARG, HybridTreeC
 from hf_chainflow.generation.settings import SUPPORTED_ATTN_IMPLEMENTATIONS
 from hf_chainflow.generation.tree import DraftTree
 
-__all__ = ["RaggedRows", "VerifyInputs", "VerifyOutput", "CommitHandle", "SUPPORTED_ATTN_IMPLEMENTATIONS",
+__all__ = ["RaggedRows", "VerifyInputs", "ExtraInputs", "VerifyOutput", "CommitHandle", "SUPPORTED_ATTN_IMPLEMENTATIONS",
            "ancestor_mask", "build_batch_verify_inputs", "build_verify_inputs", "verify_forward_batch",
            "verify_forward", "commit_batch", "commit", "select_rows", "select_target_states",
            "hidden_state_selection"]
@@ -86,6 +86,39 @@ class VerifyInputs:
     attention_mask: torch.Tensor  # (B, 1, n, T + n): bool (sdpa) or additive float (eager)
     parents: torch.LongTensor  # (B, n): flattened parents, root -1, padding nodes hang under the root
     ancestors: torch.BoolTensor  # (B, n, n): ancestors[b, r, c] = input c is r or one of r's ancestors
+
+
+@dataclass
+class ExtraInputs:
+    """A row's extra inputs of a verify forward, scored beside its draft and dropped at commit (a fused-forward
+    proposer's own rows, e.g. Lafa's candidate blocks drafted in the verification forward). `E` inputs:
+
+    - `input_ids` `(E,)`; `positions` `(E,)`: position offsets from the row's next position (the root's is 0);
+    - `sees_draft` `(E, N + 1)` bool: which of the row's `[root] + nodes` each extra input attends to (besides the
+      row's committed prefix, which it always sees);
+    - `sees_extra` `(E, E)` bool: which extra inputs each attends to (e.g. all of its own block, bidirectionally).
+
+    The draft's inputs never see extra inputs, so their logits are those of a forward without them."""
+
+    input_ids: torch.LongTensor
+    positions: torch.LongTensor
+    sees_draft: torch.BoolTensor
+    sees_extra: torch.BoolTensor
+
+    def __post_init__(self):
+        E = int(self.input_ids.shape[0]) if self.input_ids.dim() == 1 else -1
+        shapes = {"input_ids": (E,), "positions": (E,), "sees_extra": (E, E)}
+        for name, shape in shapes.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"`ExtraInputs.{name}` must have shape {shape} (E = len(input_ids)), got "
+                                 f"{tuple(getattr(self, name).shape)}.")
+        if self.sees_draft.dim() != 2 or self.sees_draft.shape[0] != E:
+            raise ValueError(f"`ExtraInputs.sees_draft` must have shape ({E}, N + 1), got "
+                             f"{tuple(self.sees_draft.shape)}.")
+
+    @property
+    def num_inputs(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 def _validate_tree(tree: DraftTree) -> None:
@@ -145,8 +178,9 @@ def ancestor_mask(ancestors: torch.BoolTensor, past_len: int, attn_implementatio
 
 def build_batch_verify_inputs(rows: RaggedRows, roots: list[int], trees: list[DraftTree], *,
                               attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
-                              device=None) -> VerifyInputs:
-    """Flatten each row's `[root] + nodes` into the inputs of one forward over the batch (see `VerifyInputs`)."""
+                              device=None, extra: list[ExtraInputs | None] | None = None) -> VerifyInputs:
+    """Flatten each row's `[root] + nodes` into the inputs of one forward over the batch (see `VerifyInputs`); with
+    `extra`, each row's `ExtraInputs` follow at `[n, n + E)` (`E` the most of any row; fewer padded inertly)."""
     _check_attn(attn_implementation)
     B = len(trees)
     if not B == len(roots) == len(rows.lengths):
@@ -172,10 +206,40 @@ def build_batch_verify_inputs(rows: RaggedRows, roots: list[int], trees: list[Dr
     col = torch.arange(T)
     starts, lengths = torch.tensor(rows.starts), torch.tensor(rows.lengths)
     prefix = (col[None] >= starts[:, None]) & (col[None] < lengths[:, None])  # (B, T): the row's valid columns
+    if extra is not None and any(e is not None for e in extra):
+        ids, depths, parents, ancestors = _with_extra(trees, extra, ids, depths, parents, ancestors)
     positions = torch.tensor(rows.positions())[:, None] + depths
     return VerifyInputs(input_ids=ids.to(device), position_ids=positions.to(device),
                         attention_mask=_mask(prefix, ancestors, attn_implementation, dtype).to(device),
                         parents=parents.to(device), ancestors=ancestors.to(device))
+
+
+def _with_extra(trees, extra, ids, depths, parents, ancestors):
+    """The block inputs `(B, n)` (`(B, n, n)`) grown by each row's extra inputs to `(B, n + E)`: extra input `e` of
+    row b sees the draft inputs its `sees_draft` names and the extra inputs its `sees_extra` names; the draft's
+    inputs see no extra input; padding extra inputs see only themselves."""
+    if len(extra) != len(trees):
+        raise ValueError(f"One `ExtraInputs` (or None) per row: {len(trees)} rows, got {len(extra)}.")
+    B, n = ids.shape
+    E = max(0 if e is None else e.num_inputs for e in extra)
+    ids = torch.cat([ids, ids.new_zeros(B, E)], 1)
+    depths = torch.cat([depths, depths.new_zeros(B, E)], 1)
+    parents = torch.cat([parents, parents.new_zeros(B, E)], 1)  # (GDN layers refuse extra inputs)
+    grown = torch.zeros(B, n + E, n + E, dtype=torch.bool)
+    grown[:, :n, :n] = ancestors
+    grown[:, n:, n:] = torch.eye(E, dtype=torch.bool)
+    for b, (tree, e) in enumerate(zip(trees, extra)):
+        if e is None:
+            continue
+        m, k = tree.num_nodes + 1, e.num_inputs
+        if e.sees_draft.shape[1] != m:
+            raise ValueError(f"Row {b}: `ExtraInputs.sees_draft` must have one column per input of its draft "
+                             f"([root] + {tree.num_nodes} nodes = {m}), got {e.sees_draft.shape[1]}.")
+        ids[b, n : n + k] = e.input_ids.cpu()
+        depths[b, n : n + k] = e.positions.cpu()
+        grown[b, n : n + k, :m] = e.sees_draft.cpu()
+        grown[b, n : n + k, n : n + k] = e.sees_extra.cpu()
+    return ids, depths, parents, grown
 
 
 def build_verify_inputs(root_token: int | torch.Tensor, tree: DraftTree, past_len: int, *,
@@ -274,8 +338,8 @@ def _attn_implementation(target: nn.Module) -> str:
 
 @torch.no_grad()
 def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, roots: list[int],
-                         trees: list[DraftTree], *, method: str = "chunk",
-                         state_layers: Sequence[int] = ()) -> VerifyOutput:
+                         trees: list[DraftTree], *, method: str = "chunk", state_layers: Sequence[int] = (),
+                         extra: list[ExtraInputs | None] | None = None) -> VerifyOutput:
     """Score every row's `[root] + nodes` in one forward of `target`, appending `n` columns to `cache`.
 
     Args:
@@ -286,6 +350,9 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
         method: GDN back-end for hybrid targets, `"chunk"` (default) or `"fork"` (reference); ignored otherwise.
         state_layers: decoder layers whose outputs `hidden_states` carries after the final states (the drafter's
             `state_layers`; default: the final states only).
+        extra: per row, `ExtraInputs` scored after its draft (`logits[b, n:]`) and dropped by `commit_batch`;
+            attention-only targets (a Gated DeltaNet layer runs its inputs along tree paths, with no block to see
+            bidirectionally).
 
     Returns a `VerifyOutput`; the GDN states are untouched until `commit_batch`.
     """
@@ -294,6 +361,11 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
     if cache is None:
         raise ValueError("`cache` is None; pass the target's cache holding the committed prefix.")
     hybrid = is_hybrid_target(target)
+    if hybrid and extra is not None and any(e is not None for e in extra):
+        raise ValueError("Extra verify inputs (a fused-forward proposer's rows) need an attention-only target: "
+                         "a Gated DeltaNet layer runs its inputs in order along tree paths, so a block that sees "
+                         "itself bidirectionally cannot be scored in it. Use a dense target, or a proposer without "
+                         "extra inputs.")
     _check_cache(cache, hybrid)
     T = committed_length(cache)
     if T != rows.cache_length:
@@ -301,15 +373,15 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
                          f"{rows.cache_length}; `RaggedRows` must describe this very cache.")
     device = target.get_input_embeddings().weight.device
     inputs = build_batch_verify_inputs(rows, roots, trees, attn_implementation=_attn_implementation(target),
-                                       dtype=target.dtype, device=device)
-    extra, ctx = {}, None
+                                       dtype=target.dtype, device=device, extra=extra)
+    kwargs, ctx = {}, None
     if hybrid:
         prepare_hybrid_target(target)
         ctx = HybridTreeContext(parents=inputs.parents, ancestors=inputs.ancestors, method=method)
-        extra[TREE_KWARG] = ctx
+        kwargs[TREE_KWARG] = ctx
     out = target(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
                  use_cache=True, output_hidden_states=hidden_state_selection(state_layers),  # only what is read
-                 **{_cache_kwarg(target): cache}, **extra)
+                 **{_cache_kwarg(target): cache}, **kwargs)
     handle = CommitHandle(cache_length=T, num_inputs=inputs.input_ids.shape[1],
                           node_parents=[tree.parents.tolist() for tree in trees], hybrid=ctx)
     return VerifyOutput(logits=out.logits, hidden_states=select_target_states(out.hidden_states, state_layers),
