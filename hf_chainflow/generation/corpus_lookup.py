@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from hf_chainflow.models.chainflow.checks import check_table_shape, token_bits  # noqa: F401  (re-exported)
+from hf_chainflow.models.chainflow.validation_chainflow import check_table_shape, token_bits  # noqa: F401  (re-exported)
 
 
 def pack_ngrams(windows: np.ndarray, bits: int) -> np.ndarray:

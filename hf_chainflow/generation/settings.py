@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from hf_chainflow.checks import is_int
-from hf_chainflow.models.chainflow.checks import check_num_flow_steps  # noqa: F401  (re-exported)
+from hf_chainflow.models.chainflow.validation_chainflow import check_num_flow_steps  # noqa: F401  (re-exported)
 
 DRAFT_MODES = ("chain", "tree")
 # Tree verification needs an arbitrary 4-D attention mask: flash attention cannot take one, flex attention needs a

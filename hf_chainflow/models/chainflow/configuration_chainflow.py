@@ -8,7 +8,7 @@ from collections import Counter
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from hf_chainflow.models.chainflow.checks import check_table_shape
+from hf_chainflow.models.chainflow.validation_chainflow import check_table_shape
 
 SOURCES = ("extrapolate", "repeat", "noise")
 FEEDBACK = ("none", "markov", "markov+path")

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, PreTrainedMode
 from transformers.utils import ModelOutput
 
 from hf_chainflow.models.chainflow.binding_chainflow import ChainFlowTargetBindingMixin
-from hf_chainflow.models.chainflow.checks import check_num_flow_steps
+from hf_chainflow.models.chainflow.validation_chainflow import check_num_flow_steps
 from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfig
 from hf_chainflow.models.chainflow.layers_chainflow import (ChainFlowExpert, ChainFlowLayerFusion, ChainFlowMarkovHead,
                                                             ChainFlowPathHead, ChainFlowVAE, ChainFlowVelocityNet,
