@@ -1,7 +1,7 @@
 """The bench library behind `hf-chainflow bench` (and the demo's classification of differences):
 
     prompts.py   the evaluation prompts, a selection stratified by domain, their tokenisation
-    arms.py      the arms (ar, pld, a drafter's chain or tree, custom) and one timed run of an arm on a prompt
+    arms.py      the arms (ar, ar-compiled, pld, a drafter's chain or tree, custom), one timed run on a prompt
     numerics.py  where an arm's output first differs from `ar`, and whether that is a near-tie or a bug
     machine.py   what the numbers were measured on (CPU, bfloat16 instructions, versions, load)
     journal.py   one JSON line per finished prompt, so that a run can stop and resume
