@@ -712,3 +712,109 @@ def test_bench_notes_a_cpu_without_bf16_matrix_instructions(monkeypatch, tmp_pat
     with pytest.raises(SystemExit, match="--prompts"):
         main(["bench", "--dtypes", "float32", "--prompts", str(missing), "--threads", "1"])
     assert "bfloat16 matrix" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the compiled plain arm (ar-compiled)
+
+def test_ar_compiled_is_run_when_named_and_accepted_by_the_command(tmp_path):
+    from hf_chainflow.commands import main
+
+    assert "ar-compiled" not in {a.name for a in build_arms(["float32"], {})}  # compiling costs a warm-up: asked for
+    arms = build_arms(["float32", "bfloat16"], {}, only=["ar", "ar-compiled@bfloat16"])
+    assert [a.key for a in arms] == ["ar@float32", "ar@bfloat16", "ar-compiled@bfloat16"]
+    compiled = arms[-1]
+    assert compiled.kind == "ar" and compiled.compiled_plain and not arms[0].compiled_plain
+    assert compiled.settings == {"compile": True, "cache_implementation": "static"}
+    # the command accepts the arm (checked before anything loads: the missing target fails later, not the arm)
+    with pytest.raises(BaseException) as caught:
+        main(["bench", "--target", str(tmp_path / "no-target"), "--arms", "ar,ar-compiled", "--dtypes", "float32",
+              "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    assert "unknown arms" not in str(caught.value)
+    with pytest.raises(SystemExit, match=r"unknown arms \['ar-compiled@float16'\]"):
+        main(["bench", "--target", str(tmp_path / "no-target"), "--arms", "ar,ar-compiled@float16",
+              "--dtypes", "float32"])
+
+
+def test_ar_compiled_compiles_outside_the_timed_runs_and_equals_ar(tmp_path):
+    """One real compile (inductor, CPU): the arm warms up once, reports the warm-up's seconds, equals `ar`."""
+    from hf_chainflow.bench.arms import plain_compile_config
+
+    target = tiny_target("llama", num_layers=2)
+    arms = build_arms(["float32"], {}, only=["ar", "ar-compiled"])
+    prompts = _prompts(target.config.vocab_size)
+    results = run_bench({"float32": target}, prompts, arms, max_new_tokens=12, warmup=prompts[0], pad_token_id=0,
+                        progress=False)
+    state = results["plain_compile"]["ar-compiled@float32"]
+    assert state["compiled"] is True and state["reason"] is None and state["warmup_seconds"] > 0
+    assert state["max_cache_len"] == max(p.input_ids.shape[1] for p in prompts) + 12  # one graph for every prompt
+    assert target._last_compile_config == plain_compile_config()  # transformers' own compile path ran
+    out = results["arms"]["ar-compiled@float32"]
+    assert out["compiled"] is True and out["compile_warmup_seconds"] == state["warmup_seconds"]
+    assert out["mismatches"] == 0 and out["tau"] == 1.0  # plain greedy: the same tokens as `ar`
+    assert [p["arms"]["ar-compiled@float32"]["new_tokens"] for p in results["prompts"]] == [12] * len(prompts)
+    assert results["fastest_ar"] in ("ar@float32", "ar-compiled@float32")
+    md = write_results(results, tmp_path)["md"].read_text()
+    assert "## Compiled plain arm" in md and f"| ar-compiled@float32 | yes | {state['warmup_seconds']:.1f} |" in md
+    assert f"against the fastest plain arm of the run, `{results['fastest_ar']}`" in md
+    assert json.loads((tmp_path / "results.json").read_text())["plain_compile"] == results["plain_compile"]
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("Compiler: g++ not found")  # what inductor raises on a machine without a C++ compiler
+
+
+@pytest.mark.parametrize("how", ["no_compiler", "declined"])
+def test_ar_compiled_that_cannot_compile_warns_and_is_labelled(how, monkeypatch, caplog, tmp_path):
+    """A platform that cannot compile: one warning line, the arm runs eager (static cache), reported as not
+    compiled, and still equals `ar`."""
+    from transformers import CompileConfig
+
+    import hf_chainflow.bench.arms as arms_module
+
+    def config():
+        c = CompileConfig(backend=_failing_backend, mode=None)
+        c._compile_all_devices = how == "no_compiler"  # "declined": transformers skips compiling on CPU
+        return c
+
+    monkeypatch.setattr(arms_module, "plain_compile_config", config)
+    target = tiny_target("llama", num_layers=2)
+    arms = build_arms(["float32"], {}, only=["ar", "ar-compiled"])
+    prompts = _prompts(target.config.vocab_size)[:2]
+    with caplog.at_level("WARNING", logger="hf_chainflow.bench.arms"):
+        results = run_bench({"float32": target}, prompts, arms, max_new_tokens=8, pad_token_id=0, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hf_chainflow.bench.arms"]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "cannot compile" in warnings[0]
+    assert ("g++ not found" in warnings[0]) == (how == "no_compiler")
+    state = results["plain_compile"]["ar-compiled@float32"]
+    assert state["compiled"] is False and state["reason"] and state["warmup_seconds"] >= 0
+    out = results["arms"]["ar-compiled@float32"]
+    assert out["compiled"] is False and out["mismatches"] == 0
+    md = write_results(results, tmp_path)["md"].read_text()
+    assert "| ar-compiled (not compiled) | float32 |" in md and "| ar-compiled@float32 | **no** |" in md
+
+
+def test_speedup_vs_fastest_ar_takes_the_fastest_plain_arm():
+    from hf_chainflow.bench import Run, summarise
+
+    arms = [Arm("ar", "ar", "float32"), Arm("ar", "ar", "bfloat16"),
+            Arm("ar-compiled", "ar", "bfloat16", settings={"compile": True, "cache_implementation": "static"}),
+            Arm("tree", "tree", "bfloat16", drafter="chainflow")]
+    seconds = {"ar@float32": 4.0, "ar@bfloat16": 2.0, "ar-compiled@bfloat16": 1.0, "tree@bfloat16": 0.5}
+    prompts = [BenchPrompt("p0", "code", torch.ones(1, 3, dtype=torch.long))]
+    runs = {k: [Run([5] * 10, s)] for k, s in seconds.items()}
+    per_prompt = [{"id": "p0", "domain": "code", "arms": {k: {"new_tokens": 10, "seconds": s}
+                                                            for k, s in seconds.items()}}]
+    arms[2].compile_state = {"compiled": True, "warmup_seconds": 12.5, "max_cache_len": 40, "reason": None}
+    results = summarise(arms, runs, {k: [] for k in seconds}, per_prompt, prompts, settings={"num_prompts": 1,
+                        "max_new_tokens": 10}, machine={}, wall_time=1.0)
+    out = results["arms"]
+    assert results["fastest_ar"] == "ar-compiled@bfloat16"
+    assert out["tree@bfloat16"]["speedup"] == pytest.approx(4.0)  # against same-dtype eager `ar`, as before
+    assert out["tree@bfloat16"]["speedup_vs_fastest_ar"] == pytest.approx(2.0)  # against the compiled arm
+    assert out["ar@float32"]["speedup_vs_fastest_ar"] == pytest.approx(0.25)
+    assert out["tree@bfloat16"]["per_domain"]["code"]["speedup_vs_fastest_ar"] == pytest.approx(2.0)
+    assert out["ar-compiled@bfloat16"]["compile_warmup_seconds"] == 12.5
+    assert "compiled" not in out["ar@bfloat16"]
+    md = markdown_table(results)
+    assert "against the fastest plain arm of the run, `ar-compiled@bfloat16`" in md
+    assert "| ar-compiled@bfloat16 | yes | 12.5 | 40 |" in md

@@ -1,7 +1,7 @@
 """The bench library behind `hf-chainflow bench` (and the demo's classification of differences):
 
     prompts.py   the evaluation prompts, a selection stratified by domain, their tokenisation
-    arms.py      the arms (ar, pld, a drafter's chain or tree, custom) and one timed run of an arm on a prompt
+    arms.py      the arms (ar, ar-compiled, pld, a drafter's chain or tree, custom), one timed run on a prompt
     numerics.py  where an arm's output first differs from `ar`, and whether that is a near-tie or a bug
     machine.py   what the numbers were measured on (CPU, bfloat16 instructions, versions, load)
     journal.py   one JSON line per finished prompt, so that a run can stop and resume
@@ -17,11 +17,12 @@ from hf_chainflow._lazy import lazy_exports
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
-    **dict.fromkeys(["BASE_ARMS", "DEFAULT_OUTPUT_DIR", "DEFAULT_TIE_TOLERANCE", "DTYPE_NAMES", "JOURNAL_NAME"],
-                    "defaults"),
+    **dict.fromkeys(["BASE_ARMS", "DEFAULT_OUTPUT_DIR", "DEFAULT_TIE_TOLERANCE", "DTYPE_NAMES", "JOURNAL_NAME",
+                     "PLAIN_ARMS"], "defaults"),
     **dict.fromkeys(["BenchPrompt", "choose_prompts", "default_prompts_path", "load_prompts",
                      "stratified_selection", "tokenize_prompts"], "prompts"),
-    **dict.fromkeys(["Arm", "Run", "build_arms", "configure_drafter", "run_arm", "select_arms"], "arms"),
+    **dict.fromkeys(["Arm", "Run", "build_arms", "configure_drafter", "plain_compile_config", "run_arm",
+                     "select_arms", "warm_up_compiled_plain"], "arms"),
     **dict.fromkeys(["classify_divergence", "explain_mismatch", "first_divergence"], "numerics"),
     **dict.fromkeys(["bf16_hardware_note", "bf16_matrix_instructions", "cpu_identity", "demo_dtype",
                      "lacks_bf16_matrix_instructions", "machine_info"], "machine"),

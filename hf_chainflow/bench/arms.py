@@ -1,9 +1,10 @@
-"""The bench's arms: one way of generating in one dtype (plain greedy `ar`, prompt lookup `pld`, a drafter's
-chain or tree, stock transformers' DFlash decoding, or a custom function), and one timed greedy `generate` call of an
-arm on one prompt (`Run`)."""
+"""The bench's arms: one way of generating in one dtype (plain greedy `ar`, the same compiled `ar-compiled`, prompt
+lookup `pld`, a drafter's chain or tree, stock transformers' DFlash decoding, or a custom function), and one timed
+greedy `generate` call of an arm on one prompt (`Run`)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -12,6 +13,8 @@ import torch
 
 from hf_chainflow.generation.stats import SpeculativeStats
 from hf_chainflow.bench.defaults import BASE_ARMS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,6 +25,11 @@ class Arm:
     (a key of the `drafters` given to `run_bench`); a `dflash` arm names a DFlash drafter (`hf_chainflow.training.dflash`) in
     the arm's dtype, run by stock transformers (`speculation_type="dflash"`). A custom arm (tests, experiments)
     calls `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
+
+    A plain arm (`kind="ar"`) whose settings hold `"compile": True` (`ar-compiled`) runs greedy `generate` with a
+    static cache and the target's forward compiled by transformers' own compile path (`plain_compile_config`); its
+    `compile_state` is what `warm_up_compiled_plain` found (`compiled`, `warmup_seconds`, `reason`, and the static
+    cache's `max_cache_len`, sized for every prompt of the run so that one compiled graph serves them all).
     """
 
     name: str
@@ -30,6 +38,7 @@ class Arm:
     drafter: str | None = None
     settings: dict = field(default_factory=dict)
     fn: Callable | None = None
+    compile_state: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -44,11 +53,16 @@ class Arm:
     def uses_drafter(self) -> bool:
         return self.speculative or self.kind == "dflash"
 
+    @property
+    def compiled_plain(self) -> bool:
+        """A plain greedy arm with the target's forward compiled (`ar-compiled`)."""
+        return self.kind == "ar" and bool(self.settings.get("compile"))
+
 
 def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
                tree: tuple[int, int] | None = None, tree_budget: int | None = None,
                lookup: dict | None = None, default_drafter: str = "chainflow",
-               only: list[str] | None = None, dflash: bool = False) -> list[Arm]:
+               only: list[str] | None = None, dflash: bool = False, compiled_ar: bool = False) -> list[Arm]:
     """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
 
     `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
@@ -56,11 +70,15 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
     `tree_budget` override them). The
     default drafter's arms are `chain`/`tree`, another drafter's `NAME-chain`/`NAME-tree`. `lookup` (the
     `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `dflash` adds the `dflash`
-    arm (the DFlash drafter named `"dflash"`). `only` keeps the arms it names (`select_arms`: `NAME` in every
+    arm (the DFlash drafter named `"dflash"`). `compiled_ar`, or `only` naming it, adds `ar-compiled` (plain greedy
+    with a static cache and the target's forward compiled: compiling costs a warm-up, so it runs only when asked
+    for). `only` keeps the arms it names (`select_arms`: `NAME` in every
     dtype, `NAME@DTYPE` in one).
     """
     names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
                                                       ("pld", "pld", None, {"prompt_lookup_num_tokens": pld_tokens})]
+    if compiled_ar or any(entry.partition("@")[0] == "ar-compiled" for entry in only or []):
+        names.insert(1, ("ar-compiled", "ar", None, {"compile": True, "cache_implementation": "static"}))
     for dname, drafter in drafters.items():
         g = drafter.generation_config
         prefix = "" if dname == default_drafter else f"{dname}-"
@@ -100,6 +118,63 @@ def select_arms(only: list[str] | None, names: list[str], dtypes: list[str]) -> 
         raise ValueError(f"`--arms` {','.join(only)} runs nothing in {idle}: drop {'them' if len(idle) > 1 else 'it'} "
                          f"from `--dtypes` or name an arm there (at least its `ar`, the baseline).")
     return keep
+
+
+def plain_compile_config():
+    """The `CompileConfig` of the `ar-compiled` arm: transformers' own compile of the target's forward in `generate`
+    (inductor, graphs without CUDA graphs), switched on for every device. transformers compiles automatically only on
+    accelerators (`GenerationMixin._valid_auto_compile_criteria` checks the device) unless the config's
+    `_compile_all_devices` is set; a static cache is the other condition."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def _compiled_generate_kwargs(arm: Arm) -> dict:
+    """The `generate` keyword arguments of an `ar-compiled` arm: a static cache (sized by `compile_state`'s
+    `max_cache_len`, so that one graph serves every prompt) and the compile config, or compilation switched off where
+    the warm-up found that this platform cannot compile (the arm is then reported as not compiled)."""
+    kwargs = {"cache_implementation": arm.settings.get("cache_implementation", "static")}
+    if arm.compile_state.get("max_cache_len") is not None:
+        kwargs["max_cache_len"] = arm.compile_state["max_cache_len"]
+    if arm.compile_state.get("compiled", True):
+        kwargs["compile_config"] = plain_compile_config()
+    else:
+        kwargs["disable_compile"] = True
+    return kwargs
+
+
+def warm_up_compiled_plain(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, *,
+                           max_cache_len: int | None = None, eos_token_id=None, pad_token_id=None) -> dict:
+    """Compile an `ar-compiled` arm's target forward by one greedy `generate` on `input_ids`, outside any timed
+    region, and record in `arm.compile_state` (returned) whether it compiled and what that cost in seconds.
+
+    `max_cache_len`: the static cache's length for every call of the arm (the longest prompt plus the new tokens),
+    so the compiled graph's shapes never change. Where the platform cannot compile (inductor needs a C++ compiler)
+    or transformers declines to, a one-line warning; the arm then runs eagerly (static cache) and is reported as not
+    compiled, never timed eager under the compiled name unsaid."""
+    if not arm.compiled_plain:
+        raise ValueError(f"Arm {arm.key} is not a compiled plain arm (`ar-compiled`).")
+    arm.compile_state = {"compiled": True, "max_cache_len": max_cache_len, "warmup_seconds": None, "reason": None}
+    reason = None
+    start = time.perf_counter()
+    try:
+        run_arm(arm, model, input_ids, max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        if getattr(model, "_last_compile_config", None) != plain_compile_config() or not hasattr(model,
+                                                                                                  "_compiled_call"):
+            reason = "transformers did not compile the forward (its compile criteria were not met)"
+    except Exception as e:  # noqa: BLE001 -- any failure to compile: reported, the arm runs eager and says so
+        root = getattr(e, "inner_exception", None) or e.__cause__ or e  # Dynamo wraps the backend's error
+        first = next((line.strip() for line in str(root).splitlines() if line.strip()), "")[:200]
+        reason = f"{type(root).__name__}: {first}; inductor needs a working C++ compiler"
+    seconds = time.perf_counter() - start
+    arm.compile_state.update(warmup_seconds=seconds, compiled=reason is None, reason=reason)
+    if reason is not None:
+        logger.warning(f"{arm.key}: cannot compile the target's forward on this platform ({reason}); the arm runs "
+                       "eager with a static cache and is reported as not compiled.")
+    return arm.compile_state
 
 
 def configure_drafter(drafter, arm: Arm) -> None:
@@ -150,7 +225,10 @@ def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, d
         kwargs["pad_token_id"] = pad_token_id
     counter = None
     if arm.kind in ("ar", "pld", "dflash"):
-        counter = _ForwardCounter(model)
+        if arm.compiled_plain:  # no forward hook: adding one between calls would recompile the forward (tau is 1)
+            kwargs.update(_compiled_generate_kwargs(arm))
+        else:
+            counter = _ForwardCounter(model)
         if arm.kind == "pld":
             kwargs["prompt_lookup_num_tokens"] = arm.settings["prompt_lookup_num_tokens"]
         if arm.kind == "dflash":  # stock transformers' DFlash candidate generator
@@ -173,4 +251,5 @@ def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, d
     return Run(tokens, seconds, stats, counter.count if counter is not None else None)
 
 
-__all__ = ["Arm", "Run", "build_arms", "configure_drafter", "run_arm", "select_arms"]
+__all__ = ["Arm", "Run", "build_arms", "configure_drafter", "plain_compile_config", "run_arm", "select_arms",
+           "warm_up_compiled_plain"]

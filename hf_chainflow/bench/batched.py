@@ -81,15 +81,15 @@ def run_batched_bench(models: dict[str, object], prompts: list[BenchPrompt], arm
                       drafters: dict[str, dict[str, object]], batch_sizes: list[int], *, max_new_tokens: int = 128,
                       tie_tolerance: float = 0.5, eos_token_id=None, pad_token_id: int | None = None,
                       progress: bool = True) -> dict:
-    """Run `arms` (the `ar` arm and drafter arms; `pld` is batch-1 only and skipped) at every batch size of
-    `batch_sizes` on `prompts`; see the module docstring for the numbers. Returns the results dict."""
+    """Run `arms` (the `ar` arm and drafter arms; `pld` and `ar-compiled` are batch-1 only and skipped) at every
+    batch size of `batch_sizes` on `prompts`; see the module docstring for the numbers. Returns the results dict."""
     if not batch_sizes or any(not is_int(b) or b < 1 for b in batch_sizes):
         raise ValueError(f"`--batch-sizes` must be positive integers, got {batch_sizes!r}.")
     if pad_token_id is None:
         pad_token_id = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
     if pad_token_id is None:
         raise ValueError("The batched bench left-pads prompts: the target needs a `pad_token_id` or `eos_token_id`.")
-    arms = [a for a in arms if a.kind == "ar" or a.speculative]
+    arms = [a for a in arms if (a.kind == "ar" and not a.compiled_plain) or a.speculative]  # ar-compiled: batch 1
     for dtype in {a.dtype for a in arms}:
         if not any(a.kind == "ar" and a.dtype == dtype for a in arms):
             raise ValueError(f"The batched bench needs the `ar` arm in {dtype} (its baseline).")

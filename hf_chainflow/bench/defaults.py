@@ -8,8 +8,11 @@ PADDED_FLOAT32_TIE_TOLERANCE = 1e-3
 DEFAULT_OUTPUT_DIR = "runs/bench"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # target and drafter dtypes a run can use
 BASE_ARMS = ("ar", "pld", "chain", "tree", "dflash")
+# the plain arms (kind "ar"): eager greedy `generate` (the same-dtype baseline of every arm) and the same with a static
+# cache and the target's forward compiled (transformers' own compile path; run only when `--arms` names it)
+PLAIN_ARMS = ("ar", "ar-compiled")
 WARMUP_MAX_NEW_TOKENS = 32
 JOURNAL_NAME = "runs.jsonl"  # the run's journal in the output directory (`hf_chainflow.bench.journal`)
 
 __all__ = ["BASE_ARMS", "DEFAULT_OUTPUT_DIR", "DEFAULT_TIE_TOLERANCE", "DTYPE_NAMES", "JOURNAL_NAME",
-           "PADDED_FLOAT32_TIE_TOLERANCE", "WARMUP_MAX_NEW_TOKENS"]
+           "PADDED_FLOAT32_TIE_TOLERANCE", "PLAIN_ARMS", "WARMUP_MAX_NEW_TOKENS"]

@@ -84,10 +84,25 @@ def markdown_table(results: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, a in arms.items():
         ms = lambda x: None if x is None else 1000 * x  # noqa: E731
-        lines.append(f"| {a['name']} | {a['dtype']} | {a['tokens_per_second']:.1f} | {_fmt(a['speedup'])}x "
+        name = a["name"] + (" (not compiled)" if a.get("compiled") is False else "")
+        lines.append(f"| {name} | {a['dtype']} | {a['tokens_per_second']:.1f} | {_fmt(a['speedup'])}x "
                      f"| {_fmt(a['speedup_vs_fastest_ar'])}x | {_fmt(a['tau'])} | {_fmt(ms(a['draft_time_per_round']), '.1f')} "
                      f"| {_pct(a.get('draft_ratio'))} | {_fmt(ms(a['verify_time_per_round']), '.1f')} | {a['mismatches']} | {a['near_ties']} "
                      f"| {a['unexplained_mismatches']} |")
+    fastest = results.get("fastest_ar")
+    if fastest is not None:
+        lines += ["", f"`vs fastest ar`: against the fastest plain arm of the run, `{fastest}` (of "
+                  + ", ".join(f"`{k}`" for k, a in arms.items() if a["kind"] == "ar") + ")."]
+    compiled = results.get("plain_compile") or {}
+    if compiled:
+        lines += ["", "## Compiled plain arm", "",
+                  "Static cache, the target's forward compiled by transformers' own compile path, warmed up (compiled) "
+                  "before anything was timed; the warm-up is not in any timed figure.", "",
+                  "| arm | compiled | warm-up s | static cache length | reason |", "|---|---|---|---|---|"]
+        for key, c in compiled.items():
+            done = {True: "yes", False: "**no**", None: "– (not run in this part)"}[c.get("compiled")]
+            lines.append(f"| {key} | {done} | {_fmt(c.get('warmup_seconds'), '.1f')} | "
+                         f"{_fmt(c.get('max_cache_len'), 'd')} | {c.get('reason') or ''} |")
     lines += ["", "## Speedup over same-dtype ar per domain (tau)", "",
               "| arm | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
     for key, a in arms.items():
@@ -151,7 +166,7 @@ def write_results(results: dict, output_dir: str | os.PathLike) -> dict[str, Pat
     paths = {**write_report(out, results, markdown_table(results)), "speedup_png": out / "speedup_per_domain.png",
              "acceptance_png": out / "acceptance_per_depth.png"}
 
-    arms = {k: a for k, a in results["arms"].items() if a["kind"] != "ar"}
+    arms = {k: a for k, a in results["arms"].items() if not (a["kind"] == "ar" and a["name"] == "ar")}
     groups = results["domains"] + ["all"]
     dtypes = list(dict.fromkeys(a["dtype"] for a in arms.values())) or [None]  # one panel per dtype, run order
     per_panel = max([sum(a["dtype"] == dt for a in arms.values()) for dt in dtypes] + [1])

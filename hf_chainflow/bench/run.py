@@ -18,7 +18,7 @@ import torch
 from hf_chainflow.checks import check_positive_int
 from hf_chainflow.fileio import FolderLock
 from hf_chainflow.generation.stats import SpeculativeStats
-from hf_chainflow.bench.arms import Arm, Run, build_arms, configure_drafter, run_arm
+from hf_chainflow.bench.arms import Arm, Run, build_arms, configure_drafter, run_arm, warm_up_compiled_plain
 from hf_chainflow.bench.defaults import DEFAULT_OUTPUT_DIR, DEFAULT_TIE_TOLERANCE, JOURNAL_NAME, WARMUP_MAX_NEW_TOKENS
 from hf_chainflow.bench.journal import (BenchJournal, check_journal, config_digest, earlier_config_digests, journal_header,
                       run_from_dict, weights_digest)
@@ -69,7 +69,9 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     Args:
         models: dtype name -> the target in that dtype (one copy per dtype).
         prompts: tokenised prompts; `warmup`: one more prompt run by every arm first and not counted.
-        arms: from `build_arms` (plus any custom arms); every dtype needs an `ar` arm (the baseline).
+        arms: from `build_arms` (plus any custom arms); every dtype needs an `ar` arm (the baseline). An
+            `ar-compiled` arm is compiled first by one warm-up `generate` (on `warmup`, else the first prompt; its
+            seconds and whether it compiled are reported: `results["plain_compile"]`, `warm_up_compiled_plain`).
         drafters: drafter name -> dtype name -> a drafter bound to `models[dtype]`.
         decode: token ids -> text, for the printed differences.
         journal: a file (`defaults.JOURNAL_NAME`) to which each finished prompt is appended; with `resume`,
@@ -94,7 +96,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     for arm in arms:
         if arm.dtype not in models:
             raise ValueError(f"Arm {arm.key} needs a target in {arm.dtype}; `models` has {sorted(models)}.")
-        if not any(a.kind == "ar" and a.dtype == arm.dtype for a in arms):
+        if not any(a.key == f"ar@{arm.dtype}" for a in arms):
             raise ValueError(f"Arm {arm.key} has no `ar@{arm.dtype}` baseline: keep the `ar` arm in every dtype.")
         if arm.uses_drafter and arm.dtype not in drafters.get(arm.drafter, {}):
             raise ValueError(f"Arm {arm.key} needs drafter {arm.drafter!r} bound to the {arm.dtype} target.")
@@ -139,6 +141,16 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
     part = None
     if any(p.id not in done for p in prompts):
         part = log.start_part(info) if log is not None else None
+        compiled = [arm for arm in arms if arm.compiled_plain]
+        if compiled:  # one static-cache length for every call: one compiled graph serves all prompts
+            lengths = [int(p.input_ids.shape[1]) + max_new_tokens for p in prompts]
+            if warmup is not None:
+                lengths.append(int(warmup.input_ids.shape[1]) + warmup_tokens)
+            first = warmup if warmup is not None else prompts[0]
+            for arm in compiled:
+                warm_up_compiled_plain(arm, models[arm.dtype], first.input_ids, warmup_tokens,
+                                       max_cache_len=max(lengths), eos_token_id=eos_token_id,
+                                       pad_token_id=pad_token_id)
         if warmup is not None:
             for arm in arms:
                 go(arm, warmup, warmup_tokens)
@@ -170,7 +182,7 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
                                        "tau": _tau(arm, [run])}
         found: dict[str, dict | None] = {k: None for k in keys}
         for arm in arms:  # outside the timed calls
-            if arm.kind == "ar":
+            if arm.key == f"ar@{arm.dtype}":  # the baseline
                 continue
             ref = runs[f"ar@{arm.dtype}"][-1].tokens
             d = explain_mismatch(models[arm.dtype], prompt.input_ids, ref, runs[arm.key][-1].tokens, arm.dtype,
@@ -212,8 +224,8 @@ def _describe(key: str, d: dict, decode) -> str:
 
 def _numbers(arm: Arm, mine: list[Run], base: list[Run], fastest: float, mismatches: list[dict]) -> dict:
     """Pooled numbers of one arm over some prompts: `base` are the same prompts' same-dtype `ar` runs, `fastest`
-    the tokens/s of the fastest `ar` arm over those prompts. `draft_ratio`: drafting seconds per round over the
-    same-dtype `ar` arm's seconds per new token (one plain step)."""
+    the tokens/s of the fastest plain arm (`ar`, `ar-compiled`, any dtype) over those prompts. `draft_ratio`:
+    drafting seconds per round over the same-dtype `ar` arm's seconds per new token (one plain step)."""
     speed, base_speed = _speed(mine), _speed(base)
     stats = _pooled_stats(mine)
     rounds = stats.rounds if stats is not None else 0
@@ -237,9 +249,11 @@ def _numbers(arm: Arm, mine: list[Run], base: list[Run], fastest: float, mismatc
 
 def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, list[dict]], per_prompt: list[dict],
               prompts: list[BenchPrompt], settings: dict, machine: dict, wall_time: float) -> dict:
-    """Pool the per-prompt runs into per-arm and per-domain numbers."""
+    """Pool the per-prompt runs into per-arm and per-domain numbers. `speedup_vs_fastest_ar` is against the fastest
+    plain arm (`ar` or `ar-compiled`, any dtype) over the same prompts; `fastest_ar` names it over all prompts. A
+    compiled plain arm also reports whether it compiled and its warm-up's seconds (`plain_compile`)."""
     domains = sorted({p.domain for p in prompts})
-    ar_arms = [a for a in arms if a.kind == "ar"]
+    ar_arms = [a for a in arms if a.kind == "ar"]  # every plain arm
 
     def pick(key, idx):
         return [runs[key][i] for i in idx]
@@ -256,10 +270,15 @@ def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, li
         out[arm.key] = {"name": arm.name, "kind": arm.kind, "dtype": arm.dtype, "drafter": arm.drafter,
                         "settings": arm.settings, **numbers(arm, everything), "mismatch_details": details[arm.key],
                         "per_domain": {dom: numbers(arm, idx, dom) for dom, idx in by_domain.items()}}
+        if arm.compiled_plain:  # None: not warmed up in this part (a resumed run whose prompts were all done)
+            out[arm.key]["compiled"] = arm.compile_state.get("compiled")
+            out[arm.key]["compile_warmup_seconds"] = arm.compile_state.get("warmup_seconds")
     if hasattr(os, "getloadavg"):
         machine = {**machine, "load_average_end": list(os.getloadavg())}
+    fastest_ar = max(ar_arms, key=lambda a: _speed(runs[a.key])).key if ar_arms else None
     results = {"arms": out, "domains": domains, "prompts": per_prompt, "settings": settings, "machine": machine,
-               "wall_time": wall_time}
+               "wall_time": wall_time, "fastest_ar": fastest_ar,
+               "plain_compile": {a.key: dict(a.compile_state) for a in arms if a.compiled_plain}}
     results["same_length"] = same_length_summary(results)
     return results
 

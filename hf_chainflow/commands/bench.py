@@ -4,6 +4,7 @@ One run, arms interleaved prompt by prompt (every arm runs on a prompt before th
 noise hits all arms alike. Arms (each in every requested dtype, with its own target copy in that dtype):
 
     ar           plain greedy `generate`
+    ar-compiled  the same, static cache and the target's forward compiled (only when --arms names it)
     pld          transformers' prompt lookup (`prompt_lookup_num_tokens=N`)
     chain, tree  the ChainFlow drafter (`generate(assistant_model=drafter)`), chain / tree drafting
     tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.generation.prompt_lookup`)
@@ -17,7 +18,7 @@ is never replaced without `--overwrite`. Reported per arm and per domain:
 - `tokens_per_second`: pooled new tokens / pooled wall time of the `generate` calls;
 - `speedup`: tokens/s over the same-dtype `ar` arm of the same run (= the ratio of pooled times whenever the two
   arms emit the same number of tokens, which greedy decoding does unless outputs differ);
-  `speedup_vs_fastest_ar`: the same against the fastest `ar` arm over all dtypes;
+  `speedup_vs_fastest_ar`: the same against the fastest plain arm (`ar`, `ar-compiled`) over all dtypes;
 - `same_length` (top level): the speedups again on the prompts where every arm of a dtype emitted as many tokens as
   `ar` (`hf_chainflow.bench.report`), so that bf16 texts of different lengths do not move a domain's figure;
 - `tau`: tokens per target forward after the prefill, bonus included (`ar`: 1; `pld`: counted with a forward hook;
@@ -89,7 +90,8 @@ def add_bench_parser(sub) -> None:
                         "by stock transformers, in each target dtype (batch 1; not with --batch-sizes)")
     p.add_argument("--no-default-drafter", action="store_true", help="run no `chain`/`tree` arms of the default drafter")
     p.add_argument("--arms", help="comma-separated arms to run: NAME in every dtype of --dtypes, NAME@DTYPE in one "
-                                    "(default: all; e.g. ar,pld,tree or ar@bfloat16,ar@float32,tree@float32)")
+                                    "(default: all but ar-compiled; e.g. ar,pld,tree or "
+                                    "ar@bfloat16,ar-compiled@bfloat16,tree@float32)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
                    help="dtype of the drafters' weights (default float32)")
@@ -183,7 +185,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError(f"`--arms` asks for {sorted(default_arms & only_names)}, arms of the default drafter, but "
                          f"`--no-default-drafter` leaves it out; drop one of the two.")
     if only is not None:  # checked here, before loading: the drafters not asked for are not loaded at all
-        possible = ["ar", "pld"] + ([] if args.no_default_drafter else sorted(default_arms)) + [
+        possible = ["ar", "ar-compiled", "pld"] + ([] if args.no_default_drafter else sorted(default_arms)) + [
             f"{n}-{kind}" for n in paths if n != "chainflow" for kind in ("chain", "tree")] + (
             ["dflash"] if args.dflash else [])
         select_arms(only, possible, dtypes)
