@@ -31,8 +31,8 @@ def test_a_short_soak_on_every_family_counts_no_mismatch(soak, tmp_path):
 
 def test_a_broken_acceptance_rule_is_counted(soak, tmp_path, monkeypatch):
     """Accept one more node than the target agrees with, wherever one follows: the soak must see it."""
-    from hf_chainflow.generation import verification
-    greedy = verification.accept_greedy
+    from hf_chainflow.generation import acceptance
+    greedy = acceptance.accept_greedy
 
     def one_too_many(tree, logits):
         acc = greedy(tree, logits)
@@ -40,9 +40,9 @@ def test_a_broken_acceptance_rule_is_counted(soak, tmp_path, monkeypatch):
         child = next((c for c, p in enumerate(tree.parents.tolist()) if p == last), None)
         if child is None:
             return acc
-        return verification.Acceptance(acc.nodes + [child], int(logits[child + 1].argmax()))
+        return acceptance.Acceptance(acc.nodes + [child], int(logits[child + 1].argmax()))
 
-    monkeypatch.setattr(verification, "accept_greedy", one_too_many)
+    monkeypatch.setattr(acceptance, "accept_greedy", one_too_many)
     monkeypatch.setattr(soak, "SETTINGS", {"tree4x3": soak.SETTINGS["tree4x3"]})
     assert soak.main(["--rows-per-family", "20", "--out", str(tmp_path), "--families", "llama"]) == 1
     record = json.loads((tmp_path / "record.json").read_text())
