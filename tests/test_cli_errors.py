@@ -209,7 +209,7 @@ def test_train_checks_data_and_shards_before_loading_the_target(tmp_path, monkey
 
 
 def test_bench_lists_every_arm_it_could_run_for_an_unknown_one():
-    with pytest.raises(SystemExit, match=r"unknown arms \['bogus'\]; the arms of this run are \['ar', 'pld', "
+    with pytest.raises(SystemExit, match=r"unknown arms \['bogus'\]; the arms of this run are \['ar', 'ar-compiled', 'pld', "
                                          r"'chain', 'tree', 'tree\+lookup', 'other-chain', 'other-tree'\]"):
         main(["bench", "--arms", "ar,bogus", "--drafter", "other=someone/drafter", "--dtypes", "float32",
               "--threads", "1"])
