@@ -5,7 +5,7 @@ ChainFlowTrainer`). Each is imported on first use (PEP 562), so `import hf_chain
 command until it runs a subcommand, import neither torch nor transformers.
 
 The `generate` hook (`hf_chainflow.generation.hook.install`: `model.generate(..., assistant_model=drafter)` routed for
-ChainFlow drafters only) is installed, and the `chainflow` model type registered with `AutoConfig`/`AutoModel`, the
+ChainFlow drafters only) is installed, and the `chainflow` and `lafa` model types registered with `AutoConfig`/`AutoModel`, the
 first time a public name is read from the package top, or a module that defines drafters or their config
 (`hf_chainflow.models.chainflow.modeling_chainflow`, `...configuration_chainflow`) or the hook's own module is
 imported, whichever comes first (once the outermost import running is done); the test double
@@ -26,11 +26,14 @@ _EXPORTS = {
     "ChainFlowDrafter": "models.chainflow.modeling_chainflow",
     "ChainFlowDrafterOutput": "models.chainflow.modeling_chainflow",
     "ChainFlowPreTrainedModel": "models.chainflow.modeling_chainflow",
+    "LafaConfig": "models.lafa.configuration_lafa",
+    "LafaDrafter": "models.lafa.modeling_lafa",
     "ChainFlowCandidateGenerator": "generation.candidate_generator",
     "DraftTree": "generation.tree",
     "ContinuationTable": "generation.corpus_lookup",
     "SpeculativeStats": "generation.stats",
     "speculative_generate": "generation.loop",
+    "PromptLookupDrafter": "generation.lookup_drafter",
     "ChainFlowTrainer": "training.trainer",
     "ChainFlowTrainingArguments": "training.arguments",
     "ReplayMixDataset": "training.replay",
@@ -77,6 +80,7 @@ def _install_hook() -> None:
     _pending = False
     from hf_chainflow.generation import hook
     from hf_chainflow.models.chainflow import modeling_chainflow  # noqa: F401  (the registration)
+    from hf_chainflow.models.lafa import modeling_lafa  # noqa: F401  (the `lafa` model type's registration)
 
     hook.install()
 

@@ -210,7 +210,8 @@ def test_train_checks_data_and_shards_before_loading_the_target(tmp_path, monkey
 
 def test_bench_lists_every_arm_it_could_run_for_an_unknown_one():
     with pytest.raises(SystemExit, match=r"unknown arms \['bogus'\]; the arms of this run are \['ar', 'ar-compiled', 'pld', "
-                                         r"'chain', 'tree', 'tree\+lookup', 'other-chain', 'other-tree'\]"):
+                                         r"'pld-compiled', 'chain', 'tree', 'tree\+lookup', 'tree\+lookup-auto', "
+                                         r"'tree\+lookup-compiled', 'other-chain', 'other-tree'\]"):
         main(["bench", "--arms", "ar,bogus", "--drafter", "other=someone/drafter", "--dtypes", "float32",
               "--threads", "1"])
     with pytest.raises(SystemExit, match=r"unknown arms \['tree@bfloat16'\].* or in one as NAME@DTYPE"):

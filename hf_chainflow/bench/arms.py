@@ -1,5 +1,6 @@
 """The bench's arms: one way of generating in one dtype (plain greedy `ar`, the same compiled `ar-compiled`, prompt
-lookup `pld`, a drafter's chain or tree, stock transformers' DFlash decoding, or a custom function), and one timed
+lookup `pld` (transformers') or `pld-compiled` (hf_chainflow's loop, compiled verification), a drafter's chain or
+tree, eager or with compiled verification, stock transformers' DFlash decoding, or a custom function), and one timed
 greedy `generate` call of an arm on one prompt (`Run`)."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ logger = logging.getLogger(__name__)
 class Arm:
     """One way of generating, in one dtype.
 
-    `kind` is `"ar"`, `"pld"`, `"chain"`, `"tree"`, `"dflash"` or `"custom"`. Chain/tree arms name their `drafter`
+    `kind` is `"ar"`, `"pld"`, `"lookup"` (`PromptLookupDrafter` in hf_chainflow's loop, no drafter model),
+    `"chain"`, `"tree"`, `"dflash"` or `"custom"`. Chain/tree arms name their `drafter`
     (a key of the `drafters` given to `run_bench`); a `dflash` arm names a DFlash drafter (`hf_chainflow.training.dflash`) in
     the arm's dtype, run by stock transformers (`speculation_type="dflash"`). A custom arm (tests, experiments)
     calls `fn(model, input_ids, generate_kwargs) -> output ids (1, L)`.
@@ -54,6 +56,11 @@ class Arm:
         return self.speculative or self.kind == "dflash"
 
     @property
+    def compiled_verification(self) -> bool:
+        """An arm of hf_chainflow's loop whose verification forwards run compiled (`compile_verification`)."""
+        return self.kind in ("chain", "tree", "lookup") and bool(self.settings.get("compile_verification"))
+
+    @property
     def compiled_plain(self) -> bool:
         """A plain greedy arm with the target's forward compiled (`ar-compiled`)."""
         return self.kind == "ar" and bool(self.settings.get("compile"))
@@ -62,7 +69,8 @@ class Arm:
 def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: int = 10, chain: int | None = None,
                tree: tuple[int, int] | None = None, tree_budget: int | None = None,
                lookup: dict | None = None, default_drafter: str = "chainflow",
-               only: list[str] | None = None, dflash: bool = False, compiled_ar: bool = False) -> list[Arm]:
+               only: list[str] | None = None, dflash: bool = False, compiled_ar: bool = False,
+               compile_verification: bool | None = None) -> list[Arm]:
     """The arms of a run: `ar`, `pld`, and chain + tree arms for every drafter, in every dtype.
 
     `drafters` maps a drafter name to any drafter of that name (its `generation_config` gives the defaults: chain
@@ -72,25 +80,37 @@ def build_arms(dtypes: list[str], drafters: dict[str, object], *, pld_tokens: in
     `lookup_*` generation-config fields) adds the default drafter's `tree+lookup` arm. `dflash` adds the `dflash`
     arm (the DFlash drafter named `"dflash"`). `compiled_ar`, or `only` naming it, adds `ar-compiled` (plain greedy
     with a static cache and the target's forward compiled: compiling costs a warm-up, so it runs only when asked
-    for). `only` keeps the arms it names (`select_arms`: `NAME` in every
-    dtype, `NAME@DTYPE` in one).
+    for); `pld-compiled`, `tree+lookup-compiled` and `tree+lookup-auto` likewise (`OPT_IN_ARMS`). `compile_verification`
+    sets every chain/tree arm's verification compiled or eager (None: each drafter's own generation config). `only`
+    keeps the arms it names (`select_arms`: `NAME` in every dtype, `NAME@DTYPE` in one).
     """
+    asked = {entry.partition("@")[0] for entry in only or []}
     names: list[tuple[str, str, str | None, dict]] = [("ar", "ar", None, {}),
                                                       ("pld", "pld", None, {"prompt_lookup_num_tokens": pld_tokens})]
-    if compiled_ar or any(entry.partition("@")[0] == "ar-compiled" for entry in only or []):
+    if compiled_ar or "ar-compiled" in asked:
         names.insert(1, ("ar-compiled", "ar", None, {"compile": True, "cache_implementation": "static"}))
+    if "pld-compiled" in asked:
+        names.append(("pld-compiled", "lookup", None, {"lookup_num_tokens": pld_tokens, "compile_verification": True}))
     for dname, drafter in drafters.items():
         g = drafter.generation_config
+        compiled = compile_verification if compile_verification is not None else bool(
+            getattr(g, "compile_verification", None))
+        verify = {"compile_verification": True} if compiled else {}  # (absent: eager, as in journals before it)
         prefix = "" if dname == default_drafter else f"{dname}-"
         n = chain if chain is not None else int(g.num_assistant_tokens)
         width, depth = tree if tree is not None else (int(getattr(g, "tree_width", 8)), int(getattr(g, "tree_depth", 4)))
-        names.append((f"{prefix}chain", "chain", dname, {"num_assistant_tokens": n}))
+        names.append((f"{prefix}chain", "chain", dname, {"num_assistant_tokens": n, **verify}))
         budget = tree_budget if tree_budget is not None else getattr(g, "tree_budget", None)
         names.append((f"{prefix}tree", "tree", dname, {"tree_width": width, "tree_depth": depth,
-                                                         "tree_budget": budget}))
+                                                         "tree_budget": budget, **verify}))
         if lookup is not None and dname == default_drafter:
-            names.append(("tree+lookup", "tree", dname, {"tree_width": width, "tree_depth": depth,
-                                                          "tree_budget": budget, **lookup}))
+            shape = {"tree_width": width, "tree_depth": depth, "tree_budget": budget, **lookup}
+            names.append(("tree+lookup", "tree", dname, {**shape, **verify}))
+            if "tree+lookup-compiled" in asked:
+                names.append(("tree+lookup-compiled", "tree", dname, {**shape, "compile_verification": True}))
+            if "tree+lookup-auto" in asked:
+                names.append(("tree+lookup-auto", "tree", dname, {**shape, "tree_budget": "auto",
+                                                                   "compile_verification": True}))
     if dflash:
         names.append(("dflash", "dflash", "dflash", {}))
     keep = select_arms(only, [n[0] for n in names], dtypes)
@@ -183,6 +203,7 @@ def configure_drafter(drafter, arm: Arm) -> None:
     g.draft_mode = arm.kind
     # Arms share a drafter: the lookup branch only where an arm asks for it.
     g.lookup_num_tokens = g.lookup_trust_ngram = g.lookup_max_tokens = g.corpus_lookup_num_tokens = None
+    g.compile_verification = False  # eager unless the arm says otherwise
     for k, v in arm.settings.items():
         setattr(g, k, v)
 
@@ -236,6 +257,12 @@ def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, d
     elif arm.speculative:
         configure_drafter(drafter, arm)
         kwargs["assistant_model"] = drafter
+    elif arm.kind == "lookup":  # prompt lookup in hf_chainflow's loop: a drafter with no model, made per call
+        from hf_chainflow.generation.lookup_drafter import PromptLookupDrafter
+
+        drafter = PromptLookupDrafter(num_tokens=arm.settings["lookup_num_tokens"],
+                                      compile_verification=bool(arm.settings.get("compile_verification")))
+        kwargs["assistant_model"] = drafter
     elif arm.kind != "custom":
         raise ValueError(f"`Arm.kind` must be one of {BASE_ARMS + ('custom',)}, got {arm.kind!r}.")
     try:
@@ -247,7 +274,7 @@ def run_arm(arm: Arm, model, input_ids: torch.LongTensor, max_new_tokens: int, d
         if counter is not None:
             counter.remove()
     tokens = out[0, input_ids.shape[1]:].tolist()
-    stats = drafter.last_stats if arm.speculative else None
+    stats = drafter.last_stats if arm.speculative or arm.kind == "lookup" else None
     return Run(tokens, seconds, stats, counter.count if counter is not None else None)
 
 

@@ -39,6 +39,9 @@ def _pooled_stats(runs: list[Run]) -> SpeculativeStats | None:
         merged.draft_time += s.draft_time
         merged.verify_time += s.verify_time
         merged.prefill_time += s.prefill_time
+        merged.compiled_rounds += s.compiled_rounds
+        merged.eager_rounds += s.eager_rounds
+        merged.auto_budgets += s.auto_budgets
     return merged
 
 
@@ -71,7 +74,9 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         prompts: tokenised prompts; `warmup`: one more prompt run by every arm first and not counted.
         arms: from `build_arms` (plus any custom arms); every dtype needs an `ar` arm (the baseline). An
             `ar-compiled` arm is compiled first by one warm-up `generate` (on `warmup`, else the first prompt; its
-            seconds and whether it compiled are reported: `results["plain_compile"]`, `warm_up_compiled_plain`).
+            seconds and whether it compiled are reported: `results["plain_compile"]`, `warm_up_compiled_plain`);
+            arms with compiled verification get every bucket's verify forward compiled first
+            (`compiled_verification.warm_up`, reported per dtype: `results["verify_compile"]`).
         drafters: drafter name -> dtype name -> a drafter bound to `models[dtype]`.
         decode: token ids -> text, for the printed differences.
         journal: a file (`defaults.JOURNAL_NAME`) to which each finished prompt is appended; with `resume`,
@@ -138,14 +143,15 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         return run_arm(arm, models[arm.dtype], prompt.input_ids, n, drafter, eos_token_id, pad_token_id)
 
     # 1. this part of the run: journal it and warm up, unless the journal already holds every prompt
-    part = None
+    part, verify_compile = None, {}
     if any(p.id not in done for p in prompts):
         part = log.start_part(info) if log is not None else None
+        lengths = [int(p.input_ids.shape[1]) + max_new_tokens for p in prompts]
+        if warmup is not None:
+            lengths.append(int(warmup.input_ids.shape[1]) + warmup_tokens)
+        verify_compile = _warm_up_verification(arms, models, drafters, max(lengths))
         compiled = [arm for arm in arms if arm.compiled_plain]
         if compiled:  # one static-cache length for every call: one compiled graph serves all prompts
-            lengths = [int(p.input_ids.shape[1]) + max_new_tokens for p in prompts]
-            if warmup is not None:
-                lengths.append(int(warmup.input_ids.shape[1]) + warmup_tokens)
             first = warmup if warmup is not None else prompts[0]
             for arm in compiled:
                 warm_up_compiled_plain(arm, models[arm.dtype], first.input_ids, warmup_tokens,
@@ -206,9 +212,38 @@ def run_bench(models: dict[str, object], prompts: list[BenchPrompt], arms: list[
         run_settings = {**run_settings, "parts": log.parts, **({"part_cpu_kinds": mixed} if mixed else {})}
     results = summarise(arms, runs, details, per_prompt, prompts, settings=run_settings, machine=info,
                         wall_time=earlier_wall + time.perf_counter() - started)
+    results["verify_compile"] = verify_compile  # {} when no prompt ran in this part
     if partial:
         results["partial"] = {"prompts_done": len(prompts), "prompts_total": total}
     return results
+
+
+def _warm_up_verification(arms: list[Arm], models: dict, drafters: dict, max_length: int) -> dict:
+    """Compile the verify forwards of every arm with compiled verification, per dtype (and per drafter state
+    layers), for calls up to `max_length` tokens, outside any timed region. Returns, per dtype, what
+    `compiled_verification.warm_up` found (seconds summed)."""
+    from hf_chainflow.generation.compiled_verification import warm_up
+
+    out = {}
+    for arm in arms:
+        if not arm.compiled_verification:
+            continue
+        drafter = drafters[arm.drafter][arm.dtype] if arm.uses_drafter else None
+        layers = tuple(getattr(drafter, "state_layers", ()) or ())
+        key = (arm.dtype, layers)
+        if key in out:
+            continue
+        with torch.inference_mode():
+            out[key] = warm_up(models[arm.dtype], max_length, state_layers=layers)
+    by_dtype = {}
+    for (dtype, _), record in out.items():
+        if dtype in by_dtype:
+            by_dtype[dtype]["seconds"] += record["seconds"]
+            by_dtype[dtype]["compiled"] &= record["compiled"]
+            by_dtype[dtype]["reasons"] += record["reasons"]
+        else:
+            by_dtype[dtype] = dict(record)
+    return by_dtype
 
 
 def _describe(key: str, d: dict, decode) -> str:
@@ -241,10 +276,22 @@ def _numbers(arm: Arm, mine: list[Run], base: list[Run], fastest: float, mismatc
         "draft_time_per_round": draft_per_round,
         "draft_ratio": draft_per_round * base_speed if draft_per_round is not None and base_speed else None,
         "verify_time_per_round": stats.verify_time / rounds if rounds else None,
+        "compiled_rounds": stats.compiled_rounds if stats is not None else None,
+        "eager_rounds": stats.eager_rounds if stats is not None else None,
+        "auto_budgets": _budget_summary(stats.auto_budgets) if stats is not None and stats.auto_budgets else None,
         "mismatches": len(mismatches),
         "near_ties": sum(d["kind"] == "near_tie" for d in mismatches),
         "unexplained_mismatches": sum(d["kind"] == "unexplained" for d in mismatches),
     }
+
+
+def _budget_summary(budgets: list[int]) -> dict:
+    """The tree budgets `tree_budget="auto"` chose: mean, quartiles and how often each value was chosen."""
+    ordered = sorted(budgets)
+    counts = Counter(ordered)
+    return {"trees": len(ordered), "mean": sum(ordered) / len(ordered),
+            "quartiles": [ordered[len(ordered) * q // 4] for q in (1, 2, 3)],
+            "counts": {str(k): counts[k] for k in sorted(counts)}}
 
 
 def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, list[dict]], per_prompt: list[dict],
@@ -320,7 +367,8 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
               prompts: str | os.PathLike | None = None, limit: int | None = None, max_new_tokens: int = 128,
               tie_tolerance: float = DEFAULT_TIE_TOLERANCE, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
               resume: bool = False, partial: bool = False, overwrite: bool = False, progress: bool = True,
-              compile_drafting: bool | None = None, batch_sizes: list[int] | None = None,
+              compile_drafting: bool | None = None, compile_verification: bool | None = None,
+              batch_sizes: list[int] | None = None,
               dflash: str | os.PathLike | None = None) -> tuple[dict, dict[str, Path]]:
     """Load the target (a known name or a model directory, see `hf_chainflow.targets.load_model_and_tokenizer`) in
     every dtype of `dtypes` and each drafter of `drafter_paths` (name -> directory; `"chainflow"` is the default
@@ -335,7 +383,9 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
     own `lookup_num_tokens` does, when set (with its `corpus_lookup_num_tokens`, when set). `chain`, `tree`,
     `tree_budget` override the drafters' generation configs; `only` keeps the arms of those names (`build_arms`). `compile_drafting` sets every drafter's
     `generation_config.compile_drafting` (`None`: keep each drafter's own); compiled rounds are warmed up for every
-    arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`). With
+    arm before anything is timed, and the seconds that took are recorded (`settings["drafting"]`).
+    `compile_verification` sets every chain/tree arm's verification compiled or eager (`None`: each drafter's own
+    `generation_config.compile_verification`; the opt-in compiled arms are compiled either way). With
     `batch_sizes`, runs the batched bench instead (`hf_chainflow.bench.batched`: plain batched `generate` against
     each drafter arm at every batch size) and writes `batched_results.json` / `.md` to `output_dir`.
 
@@ -377,7 +427,7 @@ def benchmark(target: str, drafter_paths: dict[str, str], *, dtypes: list[str], 
                     lookup["corpus_lookup_num_tokens"] = g.corpus_lookup_num_tokens
         arms = build_arms(dtypes, {n: d[dtypes[0]] for n, d in drafters.items()}, pld_tokens=pld_tokens,
                           chain=chain, tree=tree, tree_budget=tree_budget, lookup=lookup, only=only,
-                          dflash=dflash is not None)
+                          dflash=dflash is not None, compile_verification=compile_verification)
         drafting = warm_up_arms(arms, drafters, compile_drafting)
         if dflash is not None:
             drafters["dflash"] = dflash_drafters

@@ -8,10 +8,11 @@
     hf-chainflow corpus-lookup --drafter D --corpus C --out D2    # add a corpus-lookup table to a drafter
     hf-chainflow bench --limit 16                                  # wall-clock speedup of ar/pld/chain/tree arms
     hf-chainflow demo                                              # stream speculative generations
+    hf-chainflow calibrate                                         # the machine's cost curve (tree_budget="auto")
 
 One module per subcommand (`generate_responses.py`, `prepare.py`, `train.py`, `eval_offline.py`,
-`corpus_lookup.py`, `bench.py`, `demo.py`), each holding its argument parsing (`add_<name>_parser`) and one
-`run_<name>` that checks the options and calls the library; torch is imported there, when the subcommand runs, not
+`corpus_lookup.py`, `bench.py`, `demo.py`, `calibrate.py`), each holding its argument parsing
+(`add_<name>_parser`) and one `run_<name>` that checks the options and calls the library; torch is imported there, when the subcommand runs, not
 when the parser is built.
 """
 
@@ -21,6 +22,7 @@ import argparse
 import os
 
 from hf_chainflow.commands.bench import add_bench_parser
+from hf_chainflow.commands.calibrate import add_calibrate_parser
 from hf_chainflow.commands.corpus_lookup import add_corpus_lookup_parser
 from hf_chainflow.commands.demo import add_demo_parser
 from hf_chainflow.commands.eval_offline import add_eval_offline_parser
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_corpus_lookup_parser(sub)
     add_bench_parser(sub)
     add_demo_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

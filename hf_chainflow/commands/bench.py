@@ -8,6 +8,10 @@ noise hits all arms alike. Arms (each in every requested dtype, with its own tar
     pld          transformers' prompt lookup (`prompt_lookup_num_tokens=N`)
     chain, tree  the ChainFlow drafter (`generate(assistant_model=drafter)`), chain / tree drafting
     tree+lookup  the tree arm plus a prompt-lookup branch (`--lookup-tokens K`, see `hf_chainflow.generation.prompt_lookup`)
+    pld-compiled, tree+lookup-compiled   prompt lookup in hf_chainflow's loop (`PromptLookupDrafter`) / tree+lookup,
+                 with compiled verification (static cache, bucketed shapes; only when --arms names them)
+    tree+lookup-auto   tree+lookup-compiled with the tree budget sized by the machine's cost curve
+                 (`tree_budget="auto"`; only when --arms names it)
     NAME-chain, NAME-tree   any extra drafter (`--drafter NAME=PATH`, e.g. a FlashMap-style drafter)
     dflash       a DFlash drafter (`--dflash PATH`) run by stock transformers (`speculation_type="dflash"`)
 
@@ -90,7 +94,8 @@ def add_bench_parser(sub) -> None:
                         "by stock transformers, in each target dtype (batch 1; not with --batch-sizes)")
     p.add_argument("--no-default-drafter", action="store_true", help="run no `chain`/`tree` arms of the default drafter")
     p.add_argument("--arms", help="comma-separated arms to run: NAME in every dtype of --dtypes, NAME@DTYPE in one "
-                                    "(default: all but ar-compiled; e.g. ar,pld,tree or "
+                                    "(default: all but the opt-in arms ar-compiled, pld-compiled, tree+lookup-compiled, "
+                                    "tree+lookup-auto; e.g. ar,pld,tree or "
                                     "ar@bfloat16,ar-compiled@bfloat16,tree@float32)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated target dtypes")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPE_NAMES), default="float32",
@@ -98,7 +103,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--compile-drafting", action=argparse.BooleanOptionalAction, default=None,
                    help="run the drafters' drafting rounds compiled (torch.compile, warmed up before timing) or eager "
                         "(default: each drafter's generation_config.compile_drafting)")
-    p.add_argument("--pld-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens of the pld arm")
+    p.add_argument("--compile-verification", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the chain/tree arms' verification forwards compiled (static cache, bucketed shapes, "
+                        "warmed up before timing) or eager (default: each drafter's "
+                        "generation_config.compile_verification)")
+    p.add_argument("--pld-tokens", type=positive_int, default=10,
+                   help="prompt_lookup_num_tokens of the pld and pld-compiled arms")
     p.add_argument("--chain", type=positive_int, help="chain length (default: the drafter's num_assistant_tokens)")
     p.add_argument("--tree", help="tree shape WIDTHxDEPTH (default: the drafter's tree_width x tree_depth)")
     p.add_argument("--tree-budget", type=positive_int,
@@ -177,7 +187,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(note)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     only_names = None if only is None else {a.partition("@")[0] for a in only}  # NAME or NAME@DTYPE
-    default_arms = {"chain", "tree", "tree+lookup"}
+    default_arms = {"chain", "tree", "tree+lookup", "tree+lookup-compiled", "tree+lookup-auto"}
     wants_default = not args.no_default_drafter and (only is None or bool(default_arms & only_names))
     paths = {"chainflow": args.drafter_path or str(default_drafter_path())} if wants_default else {}
     paths.update(_parse_extra_drafters(args.drafter))
@@ -185,7 +195,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError(f"`--arms` asks for {sorted(default_arms & only_names)}, arms of the default drafter, but "
                          f"`--no-default-drafter` leaves it out; drop one of the two.")
     if only is not None:  # checked here, before loading: the drafters not asked for are not loaded at all
-        possible = ["ar", "ar-compiled", "pld"] + ([] if args.no_default_drafter else sorted(default_arms)) + [
+        possible = ["ar", "ar-compiled", "pld", "pld-compiled"] + (
+            [] if args.no_default_drafter else sorted(default_arms)) + [
             f"{n}-{kind}" for n in paths if n != "chainflow" for kind in ("chain", "tree")] + (
             ["dflash"] if args.dflash else [])
         select_arms(only, possible, dtypes)
@@ -199,7 +210,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     results, written = benchmark(
         args.target, paths, dtypes=dtypes, drafter_dtype=args.drafter_dtype, pld_tokens=args.pld_tokens,
         chain=args.chain, tree=tree, tree_budget=args.tree_budget, lookup=lookup, only=only, prompts=args.prompts,
-        compile_drafting=args.compile_drafting,
+        compile_drafting=args.compile_drafting, compile_verification=args.compile_verification,
         limit=args.limit, max_new_tokens=args.max_new_tokens, tie_tolerance=args.tie_tolerance,
         output_dir=args.output_dir, resume=args.resume, partial=args.partial_report, overwrite=args.overwrite,
         progress=not args.no_progress,

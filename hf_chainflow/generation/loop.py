@@ -11,7 +11,9 @@ drafting, being verified and committing its own accepted length each round (ragg
     1. prefill      the (left-padded) batch in one forward -> each row's first token (its round-1 root) and states
     2. draft        the proposer: one draft per row still generating (a chain or a tree, plus prompt- and
                     corpus-lookup branches; `hf_chainflow.generation.proposers`), each within the row's room
-    3. verify       one target forward over every row's [root] + nodes (`verification.verify_forward_batch`)
+    3. verify       one target forward over every row's [root] + nodes (`verification.verify_forward_batch`);
+                    with `compile_verification`, compiled on a static cache at a bucketed shape
+                    (`hf_chainflow.generation.compiled_verification`)
     4. accept       per row, on its own processed logits: greedy path matching, or rejection sampling (a sampled
                     chain against its draft distribution q, any other draft child by child as fixed proposals)
     5. emit         per row, accepted tokens + the target's bonus token, one at a time through the stopping criteria
@@ -33,6 +35,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_chainflow.generation import acceptance, verification
+from hf_chainflow.generation.compiled_verification import make_verifier
 from hf_chainflow.generation.proposers import Row, make_proposer
 from hf_chainflow.generation.settings import SpeculativeSettings, validate_speculative_call
 from hf_chainflow.generation.stats import SpeculativeStats
@@ -70,8 +73,8 @@ def speculative_generate(
             rest of the call (set by `generate`; without them, the loop reads and checks the call itself).
 
     Returns the sequences `(B, L')`, or a `GenerateDecoderOnlyOutput` with `sequences` (and, for one unpadded
-    prompt, the `cache`: a batch's rows leave it as they finish) when `return_dict_in_generate=True`. Statistics are
-    left in `drafter.last_stats`.
+    prompt, the `cache`: a batch's rows leave it as they finish; a `StaticCache` with compiled verification) when
+    `return_dict_in_generate=True`. Statistics are left in `drafter.last_stats`.
     """
     # 0. Inputs: the call is checked once, by `generate` (or here when the loop is called without it).
     if logits_processor is None or stopping_criteria is None or generation_config is None:
@@ -102,6 +105,8 @@ def speculative_generate(
                          "filled with the pad token, but neither `pad_token_id` nor `eos_token_id` is set: pass "
                          "`pad_token_id=` to `generate`.")
     do_sample, max_length = settings.do_sample, generation_config.max_length
+    verifier = make_verifier(model, settings.compile_verification)
+    cache = verifier.cache_for(model, cache, B, max_length)  # a StaticCache when compiled
     proposer = make_proposer(drafter, settings, single)
     row_stats = [SpeculativeStats(mode=settings.mode, loop="chainflow") for _ in range(B)]
     stats = SpeculativeStats(mode=settings.mode, loop="chainflow")  # the call's times
@@ -153,7 +158,7 @@ def speculative_generate(
         extra = [d.extra for d in drafts] if any(d.extra is not None for d in drafts) else None
         result = verification.verify_forward_batch(model, cache, rows, [int(seqs[b][-1]) for b in active], trees,
                                                    method=gdn_method, state_layers=proposer.state_layers,
-                                                   extra=extra)
+                                                   extra=extra, compiled=verifier.for_round())
         stats.forwards += 1
         paths, counts, kept = [], [], []
         for i, b in enumerate(active):
@@ -185,7 +190,7 @@ def speculative_generate(
             row_stats[b].record_round(len(acc.nodes), tree.max_depth)
         extra_out = None
         if extra is not None:  # a fused-forward proposer's own rows: after the largest draft's inputs
-            n = result.handle.num_inputs - max(0 if e is None else e.num_inputs for e in extra)
+            n = result.handle.extra_start
             extra_out = [None if e is None else (result.logits[i, n : n + e.num_inputs],
                                                  result.hidden_states[i, n : n + e.num_inputs])
                          for i, e in enumerate(extra)]
@@ -207,7 +212,8 @@ def speculative_generate(
     for b, s in enumerate(seqs):
         sequences[b, : s.shape[0]] = s
         row_stats[b].new_tokens = s.shape[0] - L
-    times = {"draft_time": stats.draft_time, "verify_time": stats.verify_time, "prefill_time": stats.prefill_time}
+    times = {"draft_time": stats.draft_time, "verify_time": stats.verify_time, "prefill_time": stats.prefill_time,
+             **verifier.stats_fields(), "auto_budgets": proposer.chosen_budgets()}
     if single:
         for name, value in times.items():
             setattr(row_stats[0], name, value)

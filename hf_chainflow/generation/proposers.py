@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_chainflow.generation import drafting
+from hf_chainflow.generation.budget import AutoBudget
 from hf_chainflow.generation.prompt_lookup import RoundBranches, next_lookup_length, round_branches
 from hf_chainflow.generation.tree import DraftTree
 from hf_chainflow.generation.verification import ExtraInputs
@@ -89,6 +90,10 @@ class Proposer(ABC):
     def select(self, keep: list[int]) -> None:
         """Keep only the active rows `keep` (indices into the current active rows), in that order."""
 
+    def chosen_budgets(self) -> list[int]:
+        """The tree budgets chosen per drafted tree (`tree_budget="auto"`; `SpeculativeStats.auto_budgets`)."""
+        return []
+
 
 def _context(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows' committed states `(T_b, D)` -> left-padded `(R, T, D)` and mask `(R, T)` (`None` when none is padded)."""
@@ -118,6 +123,10 @@ class ChainFlowProposer(Proposer):
         settings: the call's `SpeculativeSettings`.
         single: the call is one unpadded prompt: its rows draft through `drafting.draft` (the compiled round when
             `compile_drafting` is on), a batch through `drafting.draft_batch` (one pass for every drafting row).
+
+    With `tree_budget="auto"` each round's trees are drafted whole and cut to the budgets `AutoBudget` chooses from
+    the machine's cost curve (`hf_chainflow.generation.budget`); `propose(rows, extra_rows)` takes each row's inputs
+    besides its drafted nodes (the lookup branches `BranchedProposer` merges in, or verifies alone).
     """
 
     def __init__(self, drafter, settings, single: bool):
@@ -125,11 +134,12 @@ class ChainFlowProposer(Proposer):
         self.state_layers = tuple(getattr(drafter, "state_layers", ()))  # fused target layers; none: final states
         self.context_size = drafter.context_size
         self.states: list[torch.Tensor] = []  # per active row: its last <= C committed states (T_b, D')
+        self.auto = AutoBudget(drafter, settings) if settings.auto_budget else None
 
     def begin(self, hidden, starts):
         self.states = [hidden[b, start:][-self.context_size:] for b, start in enumerate(starts)]
 
-    def propose(self, rows):
+    def propose(self, rows, extra_rows: list[int] | None = None):
         drafts = [Draft(DraftTree.empty(r.committed.device)) for r in rows]
         drafting_rows = [i for i, r in enumerate(rows) if r.room >= 1]
         if not drafting_rows:
@@ -139,16 +149,29 @@ class ChainFlowProposer(Proposer):
             tree = drafting.draft(self.drafter, self.states[i][None], rows[i].committed[None],
                                   **self.settings.draft_kwargs(rows[i].room))
             drafts[i] = Draft(tree)
-            return drafts
-        context, mask = _context([self.states[i] for i in drafting_rows])
-        trees = drafting.draft_batch(self.drafter, context, [rows[i].committed for i in drafting_rows], mask,
-                                     **self.settings.draft_kwargs(max(rows[i].room for i in drafting_rows)))
-        for i, tree in zip(drafting_rows, trees):
-            drafts[i] = Draft(_cut_to_depth(tree, rows[i].room))
+        else:
+            context, mask = _context([self.states[i] for i in drafting_rows])
+            trees = drafting.draft_batch(self.drafter, context, [rows[i].committed for i in drafting_rows], mask,
+                                         **self.settings.draft_kwargs(max(rows[i].room for i in drafting_rows)))
+            for i, tree in zip(drafting_rows, trees):
+                drafts[i] = Draft(_cut_to_depth(tree, rows[i].room))
+        if self.auto is not None:  # one budget per row, from the cost of the whole batch's verify forward
+            trees = [drafts[i].tree if i in drafting_rows else None for i in range(len(rows))]
+            cut = self.auto.cut(trees, list(extra_rows) if extra_rows is not None else [0] * len(rows))
+            for i in drafting_rows:
+                drafts[i] = Draft(cut[i])
         return drafts
+
+    def accepted(self, rows, drafts, counts, extra_out=None):
+        if self.auto is not None:  # the correction counts the rounds whose draft is the drafter's tree alone
+            self.auto.accepted(counts, [d.branches.lookup is None and d.branches.recalled is None for d in drafts])
 
     def commit(self, rows, kept):
         self.states = [torch.cat([s, k.to(s.dtype)])[-self.context_size:] for s, k in zip(self.states, kept)]
+
+    def chosen_budgets(self) -> list[int]:
+        """With `tree_budget="auto"`: the budget chosen for each drafted tree so far (else empty)."""
+        return [k for round_budgets in self.auto.budgets for k in round_budgets] if self.auto is not None else []
 
     def select(self, keep):
         self.states = [self.states[i] for i in keep]
@@ -209,8 +232,14 @@ class BranchedProposer(Proposer):
             elif b.trusted:  # a long match: verify the looked-up branch alone, no drafter pass
                 drafts[i] = Draft(DraftTree.chain(b.lookup), b)
         # the drafter drafts for the other rows (rows without room or with a trusted branch get room 0: no pass)
-        own = self.drafter.propose([Row(r.index, r.committed, r.room if d is None else 0)
-                                    for r, d in zip(rows, drafts)])
+        own_rows = [Row(r.index, r.committed, r.room if d is None else 0) for r, d in zip(rows, drafts)]
+        if isinstance(self.drafter, ChainFlowProposer) and self.drafter.auto is not None:
+            # the inputs the budget does not choose: each row's looked-up branches (an upper bound: merged, they
+            # may share nodes with the tree)
+            extra = [sum(0 if t is None else int(t.shape[0]) for t in (b.lookup, b.recalled)) for b in branches]
+            own = self.drafter.propose(own_rows, extra_rows=extra)
+        else:
+            own = self.drafter.propose(own_rows)
         for i, (b, d) in enumerate(zip(branches, own)):
             if drafts[i] is None:
                 drafts[i] = Draft(d.tree if b.lookup is None else d.tree.with_chain(b.lookup), b)
@@ -230,9 +259,15 @@ class BranchedProposer(Proposer):
         self.drafter.select(keep)
         self.lookup.select(keep)
 
+    def chosen_budgets(self):
+        return self.drafter.chosen_budgets()
+
 
 def make_proposer(drafter, settings, single: bool) -> Proposer:
-    """The proposer of a call: the drafter's, with the lookup branches when the settings ask for one."""
+    """The proposer of a call: the drafter's, with the lookup branches when the settings ask for one; the lookup
+    branches alone for a drafter without a model (`PromptLookupDrafter`, `lookup_only`)."""
+    if getattr(drafter, "lookup_only", False):
+        return LookupProposer(settings)
     own = ChainFlowProposer(drafter, settings, single)
     if not settings.has_lookup:
         return own

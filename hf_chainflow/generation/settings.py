@@ -26,6 +26,7 @@ from hf_chainflow.checks import is_int
 from hf_chainflow.models.chainflow.validation_chainflow import check_num_flow_steps  # noqa: F401  (re-exported)
 
 DRAFT_MODES = ("chain", "tree")
+AUTO_BUDGET = "auto"  # `tree_budget`: sized each round by the machine's cost curve (`hf_chainflow.generation.budget`)
 # Tree verification needs an arbitrary 4-D attention mask: flash attention cannot take one, flex attention needs a
 # `BlockMask`.
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -94,11 +95,13 @@ def lookup_settings(g) -> dict:
 
 
 def check_draft_shape(mode, depths: dict, tree_width=None, tree_budget=None, max_depth=None,
-                      prefix: str = "") -> None:
+                      prefix: str = "", allow_auto: bool = False) -> None:
     """The one rule of a draft's shape, for a pass (`SearchSettings`) and a call (`SpeculativeSettings`): `mode` in
     `DRAFT_MODES`; each of `depths` (field name -> value) an integer in [1, `max_depth`]; `tree_width` a positive
-    integer and `tree_budget` None or a positive integer (skipped when None is passed as `tree_width`, i.e. a chain).
-    `prefix` goes before the field names in the messages (e.g. `drafter.generation_config.`)."""
+    integer and `tree_budget` None, a positive integer or, for a call (`allow_auto`), `AUTO_BUDGET` (chosen each
+    round from the machine's cost curve, `hf_chainflow.generation.budget`); skipped when None is passed as
+    `tree_width`, i.e. a chain. `prefix` goes before the field names in the messages (e.g.
+    `drafter.generation_config.`)."""
     if mode not in DRAFT_MODES:
         raise ValueError(f"`{prefix}draft_mode` must be one of {DRAFT_MODES}, got {mode!r}.")
     K = max_depth
@@ -111,8 +114,16 @@ def check_draft_shape(mode, depths: dict, tree_width=None, tree_budget=None, max
         return
     if not is_int(tree_width) or tree_width < 1:
         raise ValueError(f"`{prefix}tree_width` must be a positive integer, got {tree_width!r}.")
+    if isinstance(tree_budget, str) and tree_budget == AUTO_BUDGET:
+        if not allow_auto:
+            raise ValueError(f"`{prefix}tree_budget={AUTO_BUDGET!r}` is chosen round by round by the speculative "
+                             f"loop from the machine's cost curve; one drafting pass takes None (keep every node) or a "
+                             f"positive integer. Set `drafter.generation_config.tree_budget = {AUTO_BUDGET!r}` for "
+                             f"`generate`, or pass a number here.")
+        return
     if tree_budget is not None and (not is_int(tree_budget) or tree_budget < 1):
-        raise ValueError(f"`{prefix}tree_budget` must be None (keep every node) or a positive integer, got "
+        auto = f" or {AUTO_BUDGET!r} (chosen each round from the machine's cost curve)" if allow_auto else ""
+        raise ValueError(f"`{prefix}tree_budget` must be None (keep every node) or a positive integer{auto}, got "
                          f"{tree_budget!r} (the number of nodes of highest path probability kept).")
 
 
@@ -173,6 +184,12 @@ class SearchSettings:
 
 
 # ----------------------------------------------------------------------------------------------------- one call
+def _compile_field(g):
+    """`compile_verification` of a drafter's generation config: unset (None) is off; anything else is checked."""
+    value = getattr(g, "compile_verification", None)
+    return False if value is None else value
+
+
 @dataclass(frozen=True)
 class SpeculativeSettings:
     """What one `generate(assistant_model=drafter)` call drafts with; checked when built (fields named as the
@@ -182,7 +199,7 @@ class SpeculativeSettings:
     num_tokens: int = 3
     tree_width: int = 8
     tree_depth: int = 4
-    tree_budget: int | None = None
+    tree_budget: int | str | None = None  # or AUTO_BUDGET
     num_flow_steps: int | None = None
     lookup_num_tokens: int | None = None
     lookup_ngram: int = 3
@@ -193,8 +210,13 @@ class SpeculativeSettings:
     temperature: float = 1.0
     max_depth: int | None = None
     max_batch_size: int | None = None
+    compile_verification: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.compile_verification, bool):
+            raise ValueError(f"`{_CONFIG}compile_verification` must be True (the target's verification forward "
+                             f"compiled, `hf_chainflow.generation.compiled_verification`) or False (eager), got "
+                             f"{self.compile_verification!r}.")
         limit = self.max_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(f"`{_CONFIG}max_speculative_batch_size` must be None (draft at every batch size) or a "
@@ -207,7 +229,7 @@ class SpeculativeSettings:
         check_num_flow_steps(self.num_flow_steps, f"{_CONFIG}num_flow_steps")
         # both depths and the tree fields in every mode: the config may be switched to trees
         check_draft_shape(self.mode, {"num_assistant_tokens": self.num_tokens, "tree_depth": self.tree_depth},
-                          self.tree_width, self.tree_budget, self.max_depth, prefix=_CONFIG)
+                          self.tree_width, self.tree_budget, self.max_depth, prefix=_CONFIG, allow_auto=True)
 
     @classmethod
     def from_drafter(cls, drafter, generation_config=None) -> "SpeculativeSettings":
@@ -245,7 +267,8 @@ class SpeculativeSettings:
                    corpus_lookup_num_tokens=getattr(g, "corpus_lookup_num_tokens", None),
                    temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
                    max_depth=drafter.max_draft_depth,
-                   max_batch_size=getattr(g, "max_speculative_batch_size", None))
+                   max_batch_size=getattr(g, "max_speculative_batch_size", None),
+                   compile_verification=_compile_field(g))
 
     @property
     def sample_drafts(self) -> bool:
@@ -255,23 +278,31 @@ class SpeculativeSettings:
         return self.do_sample and self.mode == "chain" and not self.has_lookup
 
     @property
+    def auto_budget(self) -> bool:
+        """Whether a tree's budget is chosen each round from the machine's cost curve (`tree_budget="auto"`; the
+        drafter drafts the whole tree, `hf_chainflow.generation.budget.AutoBudget` cuts it)."""
+        return self.mode == "tree" and self.tree_budget == AUTO_BUDGET
+
+    @property
     def has_lookup(self) -> bool:
         """Whether rounds may add looked-up branches (prompt lookup or corpus lookup) to the draft."""
         return self.lookup_num_tokens is not None or self.corpus_lookup_num_tokens is not None
 
     def draft_kwargs(self, room: int) -> dict:
         """The arguments of `drafting.draft` for a round with `room >= 1` tokens left before `max_length` (a round
-        adds its accepted tokens + 1)."""
+        adds its accepted tokens + 1); with `tree_budget="auto"` the whole tree (the loop cuts it)."""
         return {"mode": self.mode, "num_tokens": min(self.num_tokens, room), "tree_width": self.tree_width,
-                "tree_depth": min(self.tree_depth, room), "tree_budget": self.tree_budget,
+                "tree_depth": min(self.tree_depth, room),
+                "tree_budget": None if self.tree_budget == AUTO_BUDGET else self.tree_budget,
                 "num_flow_steps": self.num_flow_steps, "do_sample": self.sample_drafts,
                 "temperature": self.temperature}
 
     def needs_own_loop(self, model, generation_config, stopping_criteria) -> bool:
         """Whether the call runs in hf_chainflow's own loop (`speculative_generate`) rather than transformers'
         assisted loop: trees, a lookup branch (prompt or corpus), stateful targets, stop strings and custom stopping
-        criteria (a multi-token commit in transformers' loop could overshoot them)."""
-        return (self.mode == "tree" or self.has_lookup or is_stateful_target(model)
+        criteria (a multi-token commit in transformers' loop could overshoot them), and compiled verification
+        (transformers' assisted loop runs the target eagerly on a dynamic cache)."""
+        return (self.mode == "tree" or self.has_lookup or self.compile_verification or is_stateful_target(model)
                 or generation_config.stop_strings is not None or bool(stopping_criteria))
 
     def replace(self, **changes) -> "SpeculativeSettings":
@@ -437,6 +468,6 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
                 )
 
 
-__all__ = ["DRAFT_MODES", "SUPPORTED_ATTN_IMPLEMENTATIONS", "SearchSettings", "SpeculativeSettings",
+__all__ = ["AUTO_BUDGET", "DRAFT_MODES", "SUPPORTED_ATTN_IMPLEMENTATIONS", "SearchSettings", "SpeculativeSettings",
            "check_attention_mask", "check_draft_shape", "check_num_flow_steps", "check_trust_ngram",
            "is_stateful_target", "lookup_settings", "parse_tree_shape", "validate_speculative_call"]

@@ -25,6 +25,10 @@ class SpeculativeStats:
         forwards: target verify forwards of a batched call (one per round for the whole batch).
         speculative: False when the call decoded without drafting (`reason` says why, e.g. a batch above
             `drafter.generation_config.max_speculative_batch_size`).
+        compiled_rounds / eager_rounds: verify forwards of hf_chainflow's loop run compiled / eagerly
+            (`compile_verification`; `compile_reasons` says why any ran eagerly), and `compile_time` the seconds of
+            this call's first forwards at new shapes (compilation).
+        auto_budgets: with `tree_budget="auto"`, the budget chosen for each drafted tree (rows of every round).
     """
 
     mode: str = "chain"
@@ -44,6 +48,11 @@ class SpeculativeStats:
     forwards: int = 0
     speculative: bool = True
     reason: str | None = None
+    compiled_rounds: int = 0
+    eager_rounds: int = 0
+    compile_reasons: list[str] = field(default_factory=list)
+    compile_time: float = 0.0
+    auto_budgets: list[int] = field(default_factory=list)
 
     @classmethod
     def pooled(cls, rows: list["SpeculativeStats"], forwards: int, **fields) -> "SpeculativeStats":
@@ -57,6 +66,7 @@ class SpeculativeStats:
             out.lookup_only_rounds += r.lookup_only_rounds
             out.longest_lookup = max(out.longest_lookup, r.longest_lookup)
             out.corpus_lookup_rounds += r.corpus_lookup_rounds
+            out.auto_budgets += r.auto_budgets
         return out
 
     @property
@@ -101,7 +111,10 @@ class SpeculativeStats:
             "lookup_only_rounds": self.lookup_only_rounds, "longest_lookup": self.longest_lookup,
             "corpus_lookup_rounds": self.corpus_lookup_rounds,
             "batch_size": self.batch_size, "forwards": self.forwards, "speculative": self.speculative,
-            "reason": self.reason, "rows": [r.to_dict() for r in self.rows],
+            "reason": self.reason, "compiled_rounds": self.compiled_rounds, "eager_rounds": self.eager_rounds,
+            "compile_reasons": list(self.compile_reasons), "compile_time": self.compile_time,
+            "auto_budgets": list(self.auto_budgets),
+            "rows": [r.to_dict() for r in self.rows],
         }
 
 

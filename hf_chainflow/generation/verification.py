@@ -25,8 +25,12 @@ root token, tree and `past_len` as arguments.
 `.logits` `(B, n, V)`: row r predicts the token after input r; `.hidden_states` `(B, n, D)` (the last layer after the
 final norm; `(B, n, (1 + m) D)` with the `m` decoder layers `state_layers` after it, `select_target_states`).
 
-Limits: a `DynamicCache` whose layers are plain `DynamicLayer` (and `LinearAttentionLayer` for hybrid targets) only
-(no static, sliding-window, quantized or offloaded caches); attention implementations "sdpa" and "eager" only (flash
+Compiled verification (`hf_chainflow.generation.compiled_verification`) runs the same rounds on a `StaticCache`: the
+mask is the cache's `max_cache_len` columns wide (columns past `T + n` unseen), the inputs are padded to a bucket
+with inert nodes (after any extra inputs), and the commit moves entries in place and resets the layers' length.
+
+Limits: a `DynamicCache` whose layers are plain `DynamicLayer` (and `LinearAttentionLayer` for hybrid targets), or
+a `StaticCache` of plain `StaticLayer`s for dense targets (no sliding-window, quantized or offloaded caches); attention implementations "sdpa" and "eager" only (flash
 attention cannot take an arbitrary mask, flex attention needs a `BlockMask`).
 """
 
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer, StaticCache, StaticLayer
 
 from hf_chainflow.generation.hybrid import (GDN_METHODS, TREE_KWARG, HybridTreeContext, commit_hybrid_states,
                                             committed_length, is_hybrid_target, prepare_hybrid_target,
@@ -47,7 +51,7 @@ from hf_chainflow.generation.settings import SUPPORTED_ATTN_IMPLEMENTATIONS
 from hf_chainflow.generation.tree import DraftTree
 
 __all__ = ["RaggedRows", "VerifyInputs", "ExtraInputs", "VerifyOutput", "CommitHandle", "SUPPORTED_ATTN_IMPLEMENTATIONS",
-           "ancestor_mask", "build_batch_verify_inputs", "build_verify_inputs", "verify_forward_batch",
+           "is_static", "ancestor_mask", "build_batch_verify_inputs", "build_verify_inputs", "verify_forward_batch",
            "verify_forward", "commit_batch", "commit", "select_rows", "select_target_states",
            "hidden_state_selection"]
 
@@ -155,13 +159,17 @@ def _check_attn(attn_implementation: str) -> None:
 
 
 def _mask(prefix: torch.BoolTensor, ancestors: torch.BoolTensor, attn_implementation: str,
-          dtype: torch.dtype) -> torch.Tensor:
-    """`prefix` `(B, T)` (the columns each row sees), `ancestors` `(B, n, n)` -> the 4-D mask `(B, 1, n, T + n)`:
-    bool for sdpa; an additive float mask (0 / `finfo(dtype).min`) in `dtype` for eager, which adds the mask to the
-    scores (a bool mask would be silently wrong)."""
+          dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+    """`prefix` `(B, T)` (the columns each row sees), `ancestors` `(B, n, n)` -> the 4-D mask `(B, 1, n, T + n)`
+    (`(B, 1, n, width)` with `width`, a static cache's columns: those past `T + n` unseen): bool for sdpa; an
+    additive float mask (0 / `finfo(dtype).min`) in `dtype` for eager, which adds the mask to the scores (a bool
+    mask would be silently wrong)."""
     _check_attn(attn_implementation)
     B, n = ancestors.shape[:2]
-    allowed = torch.cat([prefix[:, None, :].expand(B, n, prefix.shape[1]), ancestors], -1)[:, None]
+    parts = [prefix[:, None, :].expand(B, n, prefix.shape[1]), ancestors]
+    if width is not None:
+        parts.append(torch.zeros(B, n, width - prefix.shape[1] - n, dtype=torch.bool, device=ancestors.device))
+    allowed = torch.cat(parts, -1)[:, None]
     if attn_implementation == "sdpa":
         return allowed
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
@@ -178,9 +186,12 @@ def ancestor_mask(ancestors: torch.BoolTensor, past_len: int, attn_implementatio
 
 def build_batch_verify_inputs(rows: RaggedRows, roots: list[int], trees: list[DraftTree], *,
                               attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
-                              device=None, extra: list[ExtraInputs | None] | None = None) -> VerifyInputs:
+                              device=None, extra: list[ExtraInputs | None] | None = None,
+                              pad_to: int | None = None, mask_width: int | None = None) -> VerifyInputs:
     """Flatten each row's `[root] + nodes` into the inputs of one forward over the batch (see `VerifyInputs`); with
-    `extra`, each row's `ExtraInputs` follow at `[n, n + E)` (`E` the most of any row; fewer padded inertly)."""
+    `extra`, each row's `ExtraInputs` follow at `[n, n + E)` (`E` the most of any row; fewer padded inertly).
+    `pad_to` pads every row with inert nodes (children of the root that no input sees) to that many inputs;
+    `mask_width` is a static cache's width (the mask's last dimension; default `T + inputs`)."""
     _check_attn(attn_implementation)
     B = len(trees)
     if not B == len(roots) == len(rows.lengths):
@@ -208,10 +219,28 @@ def build_batch_verify_inputs(rows: RaggedRows, roots: list[int], trees: list[Dr
     prefix = (col[None] >= starts[:, None]) & (col[None] < lengths[:, None])  # (B, T): the row's valid columns
     if extra is not None and any(e is not None for e in extra):
         ids, depths, parents, ancestors = _with_extra(trees, extra, ids, depths, parents, ancestors)
+    if pad_to is not None and pad_to > ids.shape[1]:
+        ids, depths, parents, ancestors = _padded(pad_to, ids, depths, parents, ancestors)
+    if mask_width is not None and T + ids.shape[1] > mask_width:
+        raise ValueError(f"A verify forward of {ids.shape[1]} inputs after {T} committed columns needs "
+                         f"{T + ids.shape[1]} cache columns; the static cache holds {mask_width}.")
     positions = torch.tensor(rows.positions())[:, None] + depths
-    return VerifyInputs(input_ids=ids.to(device), position_ids=positions.to(device),
-                        attention_mask=_mask(prefix, ancestors, attn_implementation, dtype).to(device),
+    mask = _mask(prefix, ancestors, attn_implementation, dtype, mask_width)
+    return VerifyInputs(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
                         parents=parents.to(device), ancestors=ancestors.to(device))
+
+
+def _padded(width, ids, depths, parents, ancestors):
+    """The block inputs `(B, w)` grown to `(B, width)` by inert nodes: children of the root at depth 1 that see
+    the root and themselves and that no other input sees."""
+    B, w = ids.shape
+    P = width - w
+    grown = torch.zeros(B, width, width, dtype=torch.bool)
+    grown[:, :w, :w] = ancestors
+    grown[:, w:, w:] = torch.eye(P, dtype=torch.bool)
+    grown[:, w:, 0] = True
+    return (torch.cat([ids, ids.new_zeros(B, P)], 1), torch.cat([depths, depths.new_ones(B, P)], 1),
+            torch.cat([parents, parents.new_zeros(B, P)], 1), grown)
 
 
 def _with_extra(trees, extra, ids, depths, parents, ancestors):
@@ -264,9 +293,10 @@ class CommitHandle:
     """What `commit_batch` needs from the verify forward."""
 
     cache_length: int  # T before the verify
-    num_inputs: int  # n
+    num_inputs: int  # n (after any bucket padding)
     node_parents: list[list[int]]  # each row's tree parents
     hybrid: HybridTreeContext | None = None  # GDN layer records (hybrid targets only)
+    extra_start: int = 0  # where the rows' extra inputs start (after the largest draft's [root] + nodes)
 
 
 @dataclass
@@ -307,10 +337,22 @@ def _cache_kwarg(target: nn.Module) -> str:
     return _CACHE_KWARG[cls]
 
 
+def is_static(cache) -> bool:
+    """A `StaticCache` (compiled verification's cache: fixed-width layers, written in place)."""
+    return isinstance(cache, StaticCache)
+
+
 def _check_cache(cache, hybrid: bool) -> None:
     supported = "a `DynamicCache` of `DynamicLayer`s" + (
-        " and `LinearAttentionLayer`s (build it with `DynamicCache(config=target.config)`)" if hybrid else ""
+        " and `LinearAttentionLayer`s (build it with `DynamicCache(config=target.config)`)" if hybrid else
+        " or a `StaticCache` of `StaticLayer`s"
     )
+    if is_static(cache) and not hybrid and not getattr(cache, "offloading", False):
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is not StaticLayer:
+                raise ValueError(f"Layer {i} of the StaticCache is a {type(layer).__name__}; verification supports "
+                                 f"{supported} only (no sliding-window layers).")
+        return
     if not isinstance(cache, DynamicCache):
         raise ValueError(
             f"`cache` is a {type(cache).__name__}; tree verification supports {supported} only (static, quantized "
@@ -339,7 +381,7 @@ def _attn_implementation(target: nn.Module) -> str:
 @torch.no_grad()
 def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, roots: list[int],
                          trees: list[DraftTree], *, method: str = "chunk", state_layers: Sequence[int] = (),
-                         extra: list[ExtraInputs | None] | None = None) -> VerifyOutput:
+                         extra: list[ExtraInputs | None] | None = None, compiled=None) -> VerifyOutput:
     """Score every row's `[root] + nodes` in one forward of `target`, appending `n` columns to `cache`.
 
     Args:
@@ -353,6 +395,8 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
         extra: per row, `ExtraInputs` scored after its draft (`logits[b, n:]`) and dropped by `commit_batch`;
             attention-only targets (a Gated DeltaNet layer runs its inputs along tree paths, with no block to see
             bidirectionally).
+        compiled: a `compiled_verification.CompiledVerifier` (with a `StaticCache`): the inputs are padded to its
+            bucket and the forward runs compiled where it can (counted by the verifier).
 
     Returns a `VerifyOutput`; the GDN states are untouched until `commit_batch`.
     """
@@ -372,18 +416,34 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
         raise ValueError(f"The cache holds {T} columns but the rows' longest committed length is "
                          f"{rows.cache_length}; `RaggedRows` must describe this very cache.")
     device = target.get_input_embeddings().weight.device
+    static = is_static(cache)
+    pad_to = None
+    if compiled is not None:
+        if not static:
+            raise ValueError("`compiled` verification needs the `StaticCache` it was built for, got a "
+                             f"{type(cache).__name__}.")
+        width = 1 + max(tree.num_nodes for tree in trees) + max(
+            (e.num_inputs for e in extra or () if e is not None), default=0)
+        pad_to = compiled.pad_to(width)
     inputs = build_batch_verify_inputs(rows, roots, trees, attn_implementation=_attn_implementation(target),
-                                       dtype=target.dtype, device=device, extra=extra)
+                                       dtype=target.dtype, device=device, extra=extra, pad_to=pad_to,
+                                       mask_width=cache.layers[0].max_cache_len if static else None)
     kwargs, ctx = {}, None
     if hybrid:
         prepare_hybrid_target(target)
         ctx = HybridTreeContext(parents=inputs.parents, ancestors=inputs.ancestors, method=method)
         kwargs[TREE_KWARG] = ctx
-    out = target(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
-                 use_cache=True, output_hidden_states=hidden_state_selection(state_layers),  # only what is read
-                 **{_cache_kwarg(target): cache}, **kwargs)
+    forward_kwargs = dict(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                          attention_mask=inputs.attention_mask, use_cache=True,
+                          output_hidden_states=hidden_state_selection(state_layers),  # only what is read
+                          **{_cache_kwarg(target): cache}, **kwargs)
+    if compiled is None:
+        out = target(**forward_kwargs)
+    else:
+        out = compiled.forward(target, pad_to is not None, lambda: _set_length(cache, T), **forward_kwargs)
     handle = CommitHandle(cache_length=T, num_inputs=inputs.input_ids.shape[1],
-                          node_parents=[tree.parents.tolist() for tree in trees], hybrid=ctx)
+                          node_parents=[tree.parents.tolist() for tree in trees], hybrid=ctx,
+                          extra_start=1 + max(tree.num_nodes for tree in trees))
     return VerifyOutput(logits=out.logits, hidden_states=select_target_states(out.hidden_states, state_layers),
                         handle=handle)
 
@@ -450,15 +510,18 @@ def commit_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, accep
     rows.lengths = [length + len(k) for length, k in zip(rows.lengths, keep)]
     new_length = rows.cache_length
     for layer in cache.layers:
-        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+        if not isinstance(layer, (DynamicLayer, StaticLayer)) or not layer.is_initialized:
             continue
         if moves:
             bi, di, si = (torch.tensor(x, device=layer.keys.device) for x in zip(*moves))
             for name in ("keys", "values"):
-                kv = getattr(layer, name)  # (B, H_kv, T + n, D)
-                kv[bi, :, di] = kv[bi, :, si]  # gathered first, then written
-        layer.keys = layer.keys[..., :new_length, :]
-        layer.values = layer.values[..., :new_length, :]
+                kv = getattr(layer, name)  # (B, H_kv, T + n, D); a static layer's (B, H_kv, max_cache_len, D)
+                kv[bi, :, di] = kv[bi, :, si]  # gathered first, then written (in place)
+        if isinstance(layer, StaticLayer):  # in place: the columns past the length are unseen, then overwritten
+            layer.cumulative_length.fill_(new_length)
+        else:
+            layer.keys = layer.keys[..., :new_length, :]
+            layer.values = layer.values[..., :new_length, :]
     if handle.hybrid is not None:
         sync_linear_lengths(cache)
 
@@ -474,13 +537,24 @@ def commit(target: nn.Module, cache: DynamicCache, past_len: int, accepted: Sequ
     commit_batch(target, cache, RaggedRows([0], [past_len]), [accepted], handle)
 
 
+def _set_length(cache, length: int) -> None:
+    """A static cache's layers hold `length` columns (in place; the entries past it are unseen)."""
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            layer.cumulative_length.fill_(length)
+
+
 def select_rows(cache: DynamicCache, rows: RaggedRows, keep: list[int]) -> None:
     """Keep only the rows `keep` (in that order) in `cache` and `rows`, and cut the columns no kept row uses (left
-    padding common to all of them, holes past the longest)."""
+    padding common to all of them, holes past the longest; a static cache keeps its width and only its length
+    shrinks)."""
     index = torch.tensor(keep, dtype=torch.long)
     cache.reorder_cache(index)
     rows.starts = [rows.starts[b] for b in keep]
     rows.lengths = [rows.lengths[b] for b in keep]
+    if is_static(cache):
+        _set_length(cache, rows.cache_length)
+        return
     left, right = min(rows.starts), rows.cache_length
     for layer in cache.layers:
         if isinstance(layer, DynamicLayer) and layer.is_initialized:

@@ -9,6 +9,8 @@ draft-vocabulary indices (the shortlist). The borrowed layers are never owned or
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
@@ -52,7 +54,9 @@ class ChainFlowTargetBindingMixin:
                 f"(lm_head {tuple(out_emb.weight.shape)}); mismatched: {mismatched}. Train or load a drafter for "
                 f"this target (`ChainFlowConfig.for_target(target.config)`)."
             )
-        self._bound = {"lm_head": out_emb, "embed": in_emb, "target_config": target.config}
+        # the target itself, weakly: what sizes drafting by its cost (`hf_chainflow.generation.calibration`) measures
+        self._bound = {"lm_head": out_emb, "embed": in_emb, "target_config": target.config,
+                       "target": weakref.ref(target)}
         self._draft_head_cache = None
         self.shortlist_ids = self.shortlist_ids.to(out_emb.weight.device)
         return self
