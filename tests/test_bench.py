@@ -818,3 +818,39 @@ def test_speedup_vs_fastest_ar_takes_the_fastest_plain_arm():
     md = markdown_table(results)
     assert "against the fastest plain arm of the run, `ar-compiled@bfloat16`" in md
     assert "| ar-compiled@bfloat16 | yes | 12.5 | 40 |" in md
+
+
+# ---------------------------------------------------------------------------- compiled verification arms
+def test_compiled_verification_arms_are_opt_in_and_run_compiled(tmp_path, monkeypatch):
+    """pld-compiled, tree+lookup-compiled and tree+lookup-auto: named to run, warmed up before timing, every round
+    compiled (torch.compile's aot_eager backend here), the same tokens as `ar` in float32, the budgets reported."""
+    from hf_chainflow.generation import compiled_verification
+
+    monkeypatch.setattr(compiled_verification, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setenv("HF_CHAINFLOW_CALIBRATION_CACHE", "0")
+    target = tiny_target("llama", num_layers=2)
+    drafters = {"oracle": {"float32": OracleDrafter(target, error_rate=0.3)}}
+    lookup = {"lookup_num_tokens": 4, "lookup_trust_ngram": None, "lookup_max_tokens": None}
+    names = ["pld-compiled", "tree+lookup-compiled", "tree+lookup-auto"]
+    plain = build_arms(["float32"], {"oracle": drafters["oracle"]["float32"]}, lookup=lookup,
+                       default_drafter="oracle")
+    assert not set(names) & {a.name for a in plain}  # compiling costs a warm-up: asked for by name
+    arms = build_arms(["float32"], {"oracle": drafters["oracle"]["float32"]}, pld_tokens=4, tree=(3, 3),
+                      lookup=lookup, default_drafter="oracle", only=["ar", "tree+lookup", *names])
+    assert [a.name for a in arms] == ["ar", "pld-compiled", "tree+lookup", "tree+lookup-compiled",
+                                      "tree+lookup-auto"]
+    assert [a.compiled_verification for a in arms] == [False, True, False, True, True]
+    assert arms[-1].settings["tree_budget"] == "auto"
+    drafting_record = warm_up_arms(arms, drafters, None)
+    assert set(drafting_record["oracle"]["cost_curves"]) == {"tree+lookup-auto@float32"}
+    prompts = _prompts(target.config.vocab_size)
+    results = run_bench({"float32": target}, prompts, arms, drafters, max_new_tokens=12, warmup=prompts[0],
+                        pad_token_id=0, progress=False)
+    assert results["verify_compile"]["float32"]["compiled"] is True
+    out = results["arms"]
+    for name in names:
+        a = out[f"{name}@float32"]
+        assert a["mismatches"] == 0 and a["compiled_rounds"] > 0 and a["eager_rounds"] == 0, (name, a)
+    assert out["tree+lookup@float32"]["compiled_rounds"] == 0 and out["tree+lookup@float32"]["eager_rounds"] > 0
+    assert out["tree+lookup-auto@float32"]["auto_budgets"]["trees"] > 0
+    assert out["pld-compiled@float32"]["tau"] >= 1.0

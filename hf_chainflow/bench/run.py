@@ -333,8 +333,12 @@ def summarise(arms: list[Arm], runs: dict[str, list[Run]], details: dict[str, li
 
 def warm_up_arms(arms: list[Arm], drafters: dict[str, dict[str, object]], compile_drafting: bool | None) -> dict:
     """Set `compile_drafting` on every drafter (`None`: keep its own) and compile the drafting rounds of every
-    speculative arm (`hf_chainflow.generation.drafting.warm_up_drafting`), outside any timed region. Returns, per
-    drafter name, `{"compile_drafting", "dtype", "serving_head_dtype", "compile_seconds"}` (the record of the run)."""
+    speculative arm (`hf_chainflow.generation.drafting.warm_up_drafting`), outside any timed region; an arm with
+    `tree_budget="auto"` gets its cost curve read from the calibration cache or measured here. Returns, per drafter
+    name, `{"compile_drafting", "dtype", "serving_head_dtype", "compile_seconds"}` and, for auto arms,
+    `"cost_curves"` (arm key -> the curve's cache key: in the journal's header, so a resumed run uses the same
+    curve's machine and settings) (the record of the run)."""
+    from hf_chainflow.generation.calibration import cost_curve_for_call
     from hf_chainflow.generation.drafting import warm_up_drafting
     from hf_chainflow.generation.settings import SpeculativeSettings
 
@@ -358,6 +362,9 @@ def warm_up_arms(arms: list[Arm], drafters: dict[str, dict[str, object]], compil
         with torch.inference_mode():
             settings = SpeculativeSettings.from_drafter(drafter)
             record[arm.drafter]["compile_seconds"] += warm_up_drafting(drafter, settings)
+            if settings.auto_budget:  # the machine's cost curve, read or measured now rather than in a timed call
+                curve = cost_curve_for_call(drafter, settings)
+                record[arm.drafter].setdefault("cost_curves", {})[arm.key] = curve.key()
     return record
 
 
