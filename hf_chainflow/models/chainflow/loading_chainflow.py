@@ -53,20 +53,40 @@ def saved_generation_config(source, download_kwargs: dict) -> GenerationConfig |
     return GenerationConfig.from_pretrained(os.path.dirname(resolved))
 
 
-def check_model_type(source, name: str, download_kwargs: dict) -> None:
-    """Refuse a folder / Hub repo whose config is another model type (transformers would only warn, then
-    build a drafter with random weights)."""
+def check_model_type(source, name: str, download_kwargs: dict, config_class=ChainFlowConfig,
+                     what: str = "a ChainFlow drafter") -> None:
+    """Refuse a folder / Hub repo whose config is another model type than `config_class`'s (transformers would
+    only warn, then build a drafter with random weights)."""
     try:
-        config_dict, _ = ChainFlowConfig.get_config_dict(source, **download_kwargs)
+        config_dict, _ = config_class.get_config_dict(source, **download_kwargs)
     except OSError:
         return  # no readable config there: transformers' own loading raises its error for this path
     model_type = config_dict.get("model_type")
-    if model_type is not None and model_type != ChainFlowConfig.model_type:
+    if model_type is not None and model_type != config_class.model_type:
         raise ValueError(
             f"`{name}` ({str(source)!r}) holds a config with model_type={model_type!r}, "
-            f"not {ChainFlowConfig.model_type!r}: it is not a ChainFlow drafter. Give the folder (or Hub id) of "
+            f"not {config_class.model_type!r}: it is not {what}. Give the folder (or Hub id) of "
             f"a drafter saved with `save_pretrained`; bind the target model with `target=`."
         )
 
 
-__all__ = ["check_model_type", "check_source", "saved_generation_config"]
+HUB_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+
+
+def check_pretrained_source(pretrained_model_name_or_path, kwargs: dict, config_class=ChainFlowConfig,
+                            what: str = "a ChainFlow drafter") -> dict:
+    """The checks of a drafter's `from_pretrained` before anything loads: the source exists (a folder, or a Hub repo
+    reachable or cached) and its config (or `config=` given as a path) is `config_class`'s model type. Returns the
+    Hub download arguments among `kwargs`."""
+    download_kwargs = {k: kwargs[k] for k in HUB_KEYS if k in kwargs}
+    config = kwargs.get("config")
+    if pretrained_model_name_or_path is not None:
+        check_source(pretrained_model_name_or_path, download_kwargs, has_config=config is not None)
+    source = pretrained_model_name_or_path if config is None else config
+    if isinstance(source, (str, os.PathLike)):  # not for `config=` given as a config object
+        check_model_type(source, "pretrained_model_name_or_path" if config is None else "config",
+                         download_kwargs, config_class, what)
+    return download_kwargs
+
+
+__all__ = ["HUB_KEYS", "check_model_type", "check_pretrained_source", "check_source", "saved_generation_config"]

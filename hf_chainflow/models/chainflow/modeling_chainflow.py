@@ -10,7 +10,6 @@ Alignment (SPEC.md): with committed tokens `x_1..x_{t+1}` and target states `h_1
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ from hf_chainflow.models.chainflow.configuration_chainflow import ChainFlowConfi
 from hf_chainflow.models.chainflow.layers_chainflow import (ChainFlowExpert, ChainFlowLayerFusion, ChainFlowMarkovHead,
                                                             ChainFlowPathHead, ChainFlowVAE, ChainFlowVelocityNet,
                                                             vae_kl, vae_sample)
-from hf_chainflow.models.chainflow.loading_chainflow import check_model_type, check_source, saved_generation_config
+from hf_chainflow.models.chainflow.loading_chainflow import check_pretrained_source, saved_generation_config
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,15 +485,7 @@ class ChainFlowDrafter(ChainFlowTargetBindingMixin, ChainFlowPreTrainedModel):
         damaged `config.json`, raises a `ValueError` naming the file and line. A path that is neither a folder nor a
         Hub repo in the local cache fails within seconds when the Hub cannot be reached.
         """
-        hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
-        download_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
-        config = kwargs.get("config")
-        if pretrained_model_name_or_path is not None:
-            check_source(pretrained_model_name_or_path, download_kwargs, has_config=config is not None)
-        source = pretrained_model_name_or_path if config is None else config
-        if isinstance(source, (str, os.PathLike)):  # not for `config=` given as a config object
-            check_model_type(source, "pretrained_model_name_or_path" if config is None else "config",
-                             download_kwargs)
+        download_kwargs = check_pretrained_source(pretrained_model_name_or_path, kwargs)
         # transformers loads a generation config only for `GenerationMixin` models (`adjust_generation_fn`).
         generation_config = None if pretrained_model_name_or_path is None else saved_generation_config(
             pretrained_model_name_or_path, download_kwargs)

@@ -20,7 +20,6 @@ imports nothing of `hf_chainflow.generation` (layering rule): the fused forward 
 from __future__ import annotations
 
 import math
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from transformers import AutoModel, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from hf_chainflow.models.chainflow.loading_chainflow import check_source
+from hf_chainflow.models.chainflow.loading_chainflow import check_pretrained_source
 from hf_chainflow.models.lafa.binding_lafa import (LAYER_NORMS, LafaTargetError, LafaTargetModules,
                                                    check_attention_only, find_target_modules, target_fingerprint_of)
 from hf_chainflow.models.lafa.configuration_lafa import LafaConfig
@@ -317,15 +316,7 @@ class LafaDrafter(LafaPreTrainedModel):
         """Load a drafter saved with `save_pretrained` (a folder, a `subfolder` or a Hub repo; safetensors, no
         remote code); with `target=`, check and bind it first-thing after loading (`bind_target`). Weights load in
         the target's dtype when a target is given, else float32, unless `dtype=` says otherwise."""
-        hub_keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
-        download_kwargs = {k: kwargs[k] for k in hub_keys if k in kwargs}
-        config = kwargs.get("config")
-        if pretrained_model_name_or_path is not None:
-            check_source(pretrained_model_name_or_path, download_kwargs, has_config=config is not None)
-        source = pretrained_model_name_or_path if config is None else config
-        if isinstance(source, (str, os.PathLike)):
-            _check_model_type(source, "pretrained_model_name_or_path" if config is None else "config",
-                              download_kwargs)
+        check_pretrained_source(pretrained_model_name_or_path, kwargs, LafaConfig, "a Lafa drafter")
         if target is not None:
             check_attention_only(target.config)  # before loading anything
         if kwargs.get("dtype") is None:
@@ -336,22 +327,6 @@ class LafaDrafter(LafaPreTrainedModel):
         if target is not None:
             model.bind_target(target)
         return loaded
-
-
-def _check_model_type(source, name: str, download_kwargs: dict) -> None:
-    """Refuse a folder / Hub repo whose config is another model type (transformers would only warn, then build a
-    drafter with random weights)."""
-    try:
-        config_dict, _ = LafaConfig.get_config_dict(source, **download_kwargs)
-    except OSError:
-        return  # no readable config there: transformers' own loading raises its error for this path
-    model_type = config_dict.get("model_type")
-    if model_type is not None and model_type != LafaConfig.model_type:
-        raise ValueError(
-            f"`{name}` ({str(source)!r}) holds a config with model_type={model_type!r}, not "
-            f"{LafaConfig.model_type!r}: it is not a Lafa drafter. Give the folder (or Hub id) of a drafter saved "
-            f"with `LafaDrafter.save_pretrained`; bind the target model with `target=`."
-        )
 
 
 AutoModel.register(LafaConfig, LafaDrafter, exist_ok=True)
