@@ -829,14 +829,15 @@ def test_compiled_verification_arms_are_opt_in_and_run_compiled(tmp_path, monkey
     monkeypatch.setattr(compiled_verification, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setenv("HF_CHAINFLOW_CALIBRATION_CACHE", "0")
     target = tiny_target("llama", num_layers=2)
-    drafters = {"oracle": {"float32": OracleDrafter(target, error_rate=0.3)}}
+    drafter = ChainFlowDrafter(ChainFlowConfig.for_target(target.config, **DRAFTER)).bind_target(target).eval()
+    drafters = {"oracle": {"float32": drafter}}
     lookup = {"lookup_num_tokens": 4, "lookup_trust_ngram": None, "lookup_max_tokens": None}
     names = ["pld-compiled", "tree+lookup-compiled", "tree+lookup-auto"]
     plain = build_arms(["float32"], {"oracle": drafters["oracle"]["float32"]}, lookup=lookup,
                        default_drafter="oracle")
     assert not set(names) & {a.name for a in plain}  # compiling costs a warm-up: asked for by name
     arms = build_arms(["float32"], {"oracle": drafters["oracle"]["float32"]}, pld_tokens=4, tree=(3, 3),
-                      lookup=lookup, default_drafter="oracle", only=["ar", "tree+lookup", *names])
+                      tree_budget=4, lookup=lookup, default_drafter="oracle", only=["ar", "tree+lookup", *names])
     assert [a.name for a in arms] == ["ar", "pld-compiled", "tree+lookup", "tree+lookup-compiled",
                                       "tree+lookup-auto"]
     assert [a.compiled_verification for a in arms] == [False, True, False, True, True]
@@ -854,3 +855,4 @@ def test_compiled_verification_arms_are_opt_in_and_run_compiled(tmp_path, monkey
     assert out["tree+lookup@float32"]["compiled_rounds"] == 0 and out["tree+lookup@float32"]["eager_rounds"] > 0
     assert out["tree+lookup-auto@float32"]["auto_budgets"]["trees"] > 0
     assert out["pld-compiled@float32"]["tau"] >= 1.0
+    assert out["tree+lookup@float32"]["tau"] >= 1.0
