@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticSlidingWindowLayer
 
 from hf_chainflow.testing import tiny_target
 from hf_chainflow.generation.tree import DraftTree
@@ -190,9 +191,13 @@ def offloaded_cache(config) -> DynamicCache:
 def test_unsupported_caches():
     model = target("llama")
     tree = make_tree()
-    static = StaticCache(config=model.config, max_cache_len=64)
-    with pytest.raises(ValueError, match="StaticCache"):
+    static = StaticCache(config=model.config, max_cache_len=64)  # compiled verification's cache: plain layers only
+    static.layers[0] = StaticSlidingWindowLayer(max_cache_len=64, sliding_window=8)
+    with pytest.raises(ValueError, match="Layer 0 of the StaticCache is a StaticSlidingWindowLayer"):
         verify_forward(model, static, ROOT, tree)
+    hybrid = target("qwen3_5")
+    with pytest.raises(ValueError, match="StaticCache"):  # hybrid targets verify on their dynamic cache only
+        verify_forward(hybrid, StaticCache(config=hybrid.config, max_cache_len=64), ROOT, tree)
     with pytest.raises(ValueError, match="offloaded"):
         verify_forward(model, offloaded_cache(model.config), ROOT, tree)
     with pytest.raises(ValueError, match="cache"):
