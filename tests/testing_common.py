@@ -134,7 +134,9 @@ class Cell:
     @property
     def loop(self) -> str:
         """The loop `generate` routes the cell to: transformers' assisted loop for one prompt drafting chains on a
-        dense target, hf_chainflow's own loop for everything else."""
+        dense target, hf_chainflow's own loop for everything else (a Lafa drafter always)."""
+        if self.kind == "lafa":
+            return "chainflow"
         dense_chain = self.mode == "chain" and self.family != "qwen3_5"
         return "transformers" if dense_chain and self.batch == "batch1" else "chainflow"
 
@@ -378,9 +380,11 @@ def sampling_drafter(cell: Cell, kind: DrafterKind, target):
     return drafter
 
 
-def check_sampling(cell: Cell, kind: DrafterKind, calls: int | None = None) -> dict:
+def check_sampling(cell: Cell, kind: DrafterKind, calls: int | None = None, max_new_tokens: int = 3) -> dict:
     """The cell's sampled tokens 2 and 3 keep the target's distribution, per prompt; `calls` overrides the number
-    of calls (a mutation test that needs no power). Returns the TVs, tolerances and sample sizes."""
+    of calls (a mutation test that needs no power); `max_new_tokens` the tokens each call generates (a drafter that
+    drafts no token before its second round, as Lafa, needs 4 for token 3 to be drafted). Returns the TVs,
+    tolerances and sample sizes."""
     target, exact = sampling_setup(cell.family, cell.batch)
     drafter = sampling_drafter(cell, kind, target)
     if cell.batch == "batch1":
@@ -394,9 +398,11 @@ def check_sampling(cell: Cell, kind: DrafterKind, calls: int | None = None) -> d
     torch.manual_seed(0)
     accepted = lookup_rounds = 0
     for _ in range(calls):
-        out = target.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, temperature=TEMPERATURE,
-                              top_p=TOP_P, top_k=0, assistant_model=drafter, eos_token_id=None, pad_token_id=PAD)
-        cells = out[:, -2] * VOCAB + out[:, -1]
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=True,
+                              temperature=TEMPERATURE, top_p=TOP_P, top_k=0, assistant_model=drafter, eos_token_id=None,
+                              pad_token_id=PAD)
+        L = ids.shape[1]
+        cells = out[:, L + 1] * VOCAB + out[:, L + 2]  # generated tokens 2 and 3
         for name, sl in rows.items():
             counts[name] += torch.bincount(cells[sl], minlength=VOCAB * VOCAB).double()
         stats = drafter.last_stats

@@ -2,15 +2,15 @@
 
 transformers has no registry for third-party candidate generators.  Two class attributes of
 `transformers.GenerationMixin` are wrapped, and both wrappers return the original behaviour untouched unless
-`assistant_model` is a ChainFlow drafter (or `custom_generate` is `hf_chainflow.speculative_generate`):
+`assistant_model` is a ChainFlow or Lafa drafter (or `custom_generate` is `hf_chainflow.speculative_generate`):
 
 - `generate`: reads the drafting settings once (`hf_chainflow.generation.settings.SpeculativeSettings`) and checks the call
   up front (`validate_speculative_call`, before anything changes), then either lets transformers' assisted-decoding
   loop run (chain drafting on dense targets) or routes the call to hf_chainflow's own loop through transformers'
-  `custom_generate` hook (tree mode, a lookup branch, hybrid/stateful targets, stop strings and custom stopping
-  criteria, which a multi-token commit in transformers' loop could overshoot; a batch of more than one prompt or a
-  left-padded one), handing either loop the settings; a batch above the drafter's `max_speculative_batch_size`
-  runs plain `generate` (the same output) and says so in `drafter.last_stats`.
+  `custom_generate` hook (tree mode, a lookup branch, a Lafa drafter, hybrid/stateful targets, stop strings and
+  custom stopping criteria, which a multi-token commit in transformers' loop could overshoot; a batch of more than
+  one prompt or a left-padded one), handing either loop the settings; a batch above the drafter's
+  `max_speculative_batch_size` runs plain `generate` (the same output) and says so in `drafter.last_stats`.
 - `_get_candidate_generator`: returns a `ChainFlowCandidateGenerator` for a ChainFlow drafter.
 
 Both wrappers bind their arguments against transformers' own signatures (`inspect.signature`), so every argument
@@ -32,13 +32,19 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_chainflow.generation.candidate_generator import ChainFlowCandidateGenerator
 from hf_chainflow.generation.loop import speculative_generate
-from hf_chainflow.generation.settings import SpeculativeSettings, validate_speculative_call
+from hf_chainflow.generation.settings import SpeculativeSettings, is_fused_drafter, validate_speculative_call
 from hf_chainflow.generation.stats import SpeculativeStats
 
 
 def is_chainflow_drafter(obj) -> bool:
     """True for objects that draft the ChainFlow way (`ChainFlowDrafter`, `OracleDrafter`)."""
     return getattr(obj, "is_chainflow_drafter", False) is True
+
+
+def runs_in_chainflow(obj) -> bool:
+    """True for the assistants whose `generate` calls hf_chainflow runs: ChainFlow drafters, and fused-forward
+    drafters (`LafaDrafter`, always in hf_chainflow's own loop: its drafts come out of the verify forward)."""
+    return is_chainflow_drafter(obj) or is_fused_drafter(obj)
 
 
 def effective_generation_config(model, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
@@ -94,7 +100,7 @@ def _generate(self, *args, **kwargs):
         drafter = extra.get("drafter")
         if drafter is None:
             raise ValueError("`speculative_generate` needs `drafter=` (a ChainFlowDrafter).")
-    elif not is_chainflow_drafter(drafter):
+    elif not runs_in_chainflow(drafter):
         return _original_generate(self, *args, **kwargs)
     elif custom_generate is not None:
         raise ValueError("`custom_generate` cannot be combined with a ChainFlow `assistant_model`.")

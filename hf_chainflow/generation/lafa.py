@@ -37,7 +37,8 @@ from hf_chainflow.generation.tree import DraftTree
 from hf_chainflow.generation.verification import ExtraInputs, RaggedRows, VerifyOutput
 from hf_chainflow.models.lafa.binding_lafa import check_attention_only
 
-__all__ = ["FusedVerifyOutput", "commit_fused", "fused_verify_forward", "lafa_extra_inputs", "noise_row_mask"]
+__all__ = ["FusedVerifyOutput", "commit_fused", "extra_row_mask", "fused_verify_forward", "lafa_extra_inputs",
+           "noise_row_mask", "noise_rows_around"]
 
 
 def _check_block_size(block_size) -> None:
@@ -90,6 +91,35 @@ def noise_row_mask(trees: Sequence[DraftTree], extra: Sequence[ExtraInputs | Non
     mask = torch.zeros(len(trees), n + E, dtype=torch.bool, device=device)
     mask[:, n:] = True
     return mask
+
+
+def extra_row_mask(extra: Sequence[ExtraInputs | None], extra_start: int, width: int, device=None) -> torch.BoolTensor:
+    """The noise rows of one verify forward `(B, width)`, exactly: row b's extra inputs `[extra_start, extra_start +
+    E_b)`; the draft's inputs, a shorter row's padding extra inputs and any bucket padding after them are not."""
+    mask = torch.zeros(len(extra), width, dtype=torch.bool, device=device)
+    for b, e in enumerate(extra):
+        if e is not None:
+            if extra_start + e.num_inputs > width:
+                raise ValueError(f"Row {b}'s {e.num_inputs} extra inputs from column {extra_start} do not fit a "
+                                 f"forward of {width} inputs.")
+            mask[b, extra_start : extra_start + e.num_inputs] = True
+    return mask
+
+
+def noise_rows_around(lafa, extra: Sequence[ExtraInputs | None], *, tau: float = 0.0,
+                      generator: torch.Generator | None = None):
+    """`verification.verify_forward_batch(..., around_forward=...)` for a Lafa round: the drafter's noise-row
+    context (`LafaDrafter.noise_rows`) over exactly the rows' extra inputs (`extra_row_mask`) of the forward."""
+    extra = list(extra)
+
+    def around(inputs, extra_start: int):
+        ids = inputs.input_ids
+        if ids.shape[0] != len(extra):
+            raise ValueError(f"The forward has {ids.shape[0]} rows but {len(extra)} rows' extra inputs were given.")
+        return lafa.noise_rows(extra_row_mask(extra, extra_start, int(ids.shape[1]), ids.device), tau=tau,
+                               generator=generator)
+
+    return around
 
 
 @dataclass

@@ -158,7 +158,8 @@ def speculative_generate(
         extra = [d.extra for d in drafts] if any(d.extra is not None for d in drafts) else None
         result = verification.verify_forward_batch(model, cache, rows, [int(seqs[b][-1]) for b in active], trees,
                                                    method=gdn_method, state_layers=proposer.state_layers,
-                                                   extra=extra, compiled=verifier.for_round())
+                                                   extra=extra, compiled=verifier.for_round(),
+                                                   around_forward=proposer.forward_context(drafts))
         stats.forwards += 1
         paths, counts, kept = [], [], []
         for i, b in enumerate(active):

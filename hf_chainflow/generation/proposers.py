@@ -22,11 +22,15 @@ forward, accepts per row and tells the proposer what each row kept. A proposer i
   verified without a drafter pass, and its length grows while it holds (`lookup_max_tokens`).
 - `BranchedProposer`: a drafter's proposer plus the lookup branches, merged into one tree per row (the shipped
   setting: an 8x4 tree cut to 12 nodes plus a prompt-lookup branch).
+- `LafaProposer`: a `LafaDrafter`'s self-speculative rounds; the target drafts each row's next block in the verify
+  forward itself.
 
 A fused-forward proposer (the Lafa issue: the target drafts its next block in the verification forward) implements
 the same five calls and adds its own rows to a round: `Draft.extra` (`verification.ExtraInputs`: tokens, positions,
 what they see) are scored in the same target forward after the row's draft, never seen by the draft's inputs, their
-outputs handed back in `accepted`, and dropped at commit (attention-only targets).
+outputs handed back in `accepted`, and dropped at commit (attention-only targets). `forward_context(drafts)` gives
+the context the loop enters around that forward (`verify_forward_batch(..., around_forward=...)`: Lafa's noise-row
+hooks); None for the other proposers.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ import torch
 
 from hf_chainflow.generation import drafting
 from hf_chainflow.generation.budget import AutoBudget
+from hf_chainflow.generation.lafa import lafa_extra_inputs, noise_rows_around
 from hf_chainflow.generation.prompt_lookup import RoundBranches, next_lookup_length, round_branches
 from hf_chainflow.generation.tree import DraftTree
 from hf_chainflow.generation.verification import ExtraInputs
 
-__all__ = ["Row", "Draft", "Proposer", "ChainFlowProposer", "LookupProposer", "BranchedProposer", "make_proposer"]
+__all__ = ["Row", "Draft", "Proposer", "ChainFlowProposer", "LookupProposer", "BranchedProposer", "LafaProposer",
+           "make_proposer"]
 
 
 @dataclass
@@ -86,6 +92,11 @@ class Proposer(ABC):
 
     def commit(self, rows: list[Row], kept: list[torch.Tensor]) -> None:
         """The verified states `(m + 1, D')` of each row's root + accepted nodes, as the cache keeps them."""
+
+    def forward_context(self, drafts: list[Draft]):
+        """The context to run this round's verify forward in, as `verify_forward_batch`'s `around_forward`
+        (`(inputs, extra_start) -> context manager`), or None (a plain forward): a fused-forward proposer's."""
+        return None
 
     def select(self, keep: list[int]) -> None:
         """Keep only the active rows `keep` (indices into the current active rows), in that order."""
@@ -263,9 +274,63 @@ class BranchedProposer(Proposer):
         return self.drafter.chosen_budgets()
 
 
+class LafaProposer(Proposer):
+    """A `LafaDrafter`'s rounds (`hf_chainflow.generation.lafa`): each round's verify forward also drafts, on the
+    noise rows, a candidate block for every accepted length `a = 0 .. N` of the row's chain draft; after acceptance
+    the block of the accepted length gives the next draft (the greedy tokens of its rows `1 .. B - 1`, cut to
+    `num_assistant_tokens` and to the row's room). The first round after the prefill verifies an empty draft and
+    drafts block 0. Drafts are fixed proposals (no draft distribution), so sampling accepts them child by child
+    (`accept_sampling_tree`) and keeps the target's distribution.
+
+    Args:
+        drafter: a `LafaDrafter` bound to the target.
+        settings: the call's `SpeculativeSettings` (`num_tokens`: the longest draft, at most `block_size - 1`).
+    """
+
+    def __init__(self, drafter, settings):
+        self.drafter, self.settings = drafter, settings
+        self.block_size = drafter.config.block_size
+        self.noise_token_id = drafter.config.pad_token_id or 0
+        self.next: list[torch.LongTensor] = []  # per active row: its next draft (empty before the first block)
+
+    def begin(self, hidden, starts):
+        self.next = [torch.zeros(0, dtype=torch.long, device=hidden.device) for _ in starts]
+
+    def propose(self, rows):
+        drafts = []
+        for i, r in enumerate(rows):
+            if r.room < 1:  # the row's last token: no draft, and no block to draft (no round follows)
+                drafts.append(Draft(DraftTree.empty(r.committed.device)))
+                continue
+            tokens = self.next[i][: min(self.settings.num_tokens, r.room)].to(r.committed.device)
+            tree = DraftTree.chain(tokens) if tokens.numel() else DraftTree.empty(r.committed.device)
+            drafts.append(Draft(tree, extra=lafa_extra_inputs(self.block_size, tree.num_nodes,
+                                                              noise_token_id=self.noise_token_id)))
+        return drafts
+
+    def forward_context(self, drafts):
+        extra = [d.extra for d in drafts]
+        return None if all(e is None for e in extra) else noise_rows_around(self.drafter, extra)
+
+    def accepted(self, rows, drafts, counts, extra_out=None):
+        B = self.block_size
+        for i, (draft, a) in enumerate(zip(drafts, counts)):
+            if draft.extra is None or extra_out is None or extra_out[i] is None:
+                self.next[i] = self.next[i][:0]
+                continue
+            logits = extra_out[i][0]  # (E, V): block 0 .. N, B rows each; block a's row 0 predicts the bonus
+            self.next[i] = logits[a * B + 1 : (a + 1) * B].argmax(-1)
+
+    def select(self, keep):
+        self.next = [self.next[i] for i in keep]
+
+
 def make_proposer(drafter, settings, single: bool) -> Proposer:
     """The proposer of a call: the drafter's, with the lookup branches when the settings ask for one; the lookup
-    branches alone for a drafter without a model (`PromptLookupDrafter`, `lookup_only`)."""
+    branches alone for a drafter without a model (`PromptLookupDrafter`, `lookup_only`); a `LafaDrafter`'s rounds
+    (`settings.fused_forward`)."""
+    if settings.fused_forward:
+        return LafaProposer(drafter, settings)
     if getattr(drafter, "lookup_only", False):
         return LookupProposer(settings)
     own = ChainFlowProposer(drafter, settings, single)

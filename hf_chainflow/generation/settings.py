@@ -211,12 +211,15 @@ class SpeculativeSettings:
     max_depth: int | None = None
     max_batch_size: int | None = None
     compile_verification: bool = False
+    fused_forward: bool = False  # a Lafa drafter: the target drafts its next block in the verify forward
 
     def __post_init__(self):
         if not isinstance(self.compile_verification, bool):
             raise ValueError(f"`{_CONFIG}compile_verification` must be True (the target's verification forward "
                              f"compiled, `hf_chainflow.generation.compiled_verification`) or False (eager), got "
                              f"{self.compile_verification!r}.")
+        if self.fused_forward:
+            _check_fused_forward(self)
         limit = self.max_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(f"`{_CONFIG}max_speculative_batch_size` must be None (draft at every batch size) or a "
@@ -268,14 +271,14 @@ class SpeculativeSettings:
                    temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
                    max_depth=drafter.max_draft_depth,
                    max_batch_size=getattr(g, "max_speculative_batch_size", None),
-                   compile_verification=_compile_field(g))
+                   compile_verification=_compile_field(g), fused_forward=is_fused_drafter(drafter))
 
     @property
     def sample_drafts(self) -> bool:
-        """Whether the drafter samples its draft from `q`: plain chains only (accepted with `min(1, p/q)`). Trees and
-        lookup branches (prompt or corpus) are drafted greedily and accepted child by child (`accept_sampling_tree`),
-        which needs no `q`."""
-        return self.do_sample and self.mode == "chain" and not self.has_lookup
+        """Whether the drafter samples its draft from `q`: plain chains only (accepted with `min(1, p/q)`). Trees,
+        lookup branches (prompt or corpus) and a fused-forward drafter's blocks (Lafa: the previous round's greedy
+        candidate block) are fixed proposals, accepted child by child (`accept_sampling_tree`), which needs no `q`."""
+        return self.do_sample and self.mode == "chain" and not self.has_lookup and not self.fused_forward
 
     @property
     def auto_budget(self) -> bool:
@@ -300,14 +303,37 @@ class SpeculativeSettings:
     def needs_own_loop(self, model, generation_config, stopping_criteria) -> bool:
         """Whether the call runs in hf_chainflow's own loop (`speculative_generate`) rather than transformers'
         assisted loop: trees, a lookup branch (prompt or corpus), stateful targets, stop strings and custom stopping
-        criteria (a multi-token commit in transformers' loop could overshoot them), and compiled verification
-        (transformers' assisted loop runs the target eagerly on a dynamic cache)."""
-        return (self.mode == "tree" or self.has_lookup or self.compile_verification or is_stateful_target(model)
-                or generation_config.stop_strings is not None or bool(stopping_criteria))
+        criteria (a multi-token commit in transformers' loop could overshoot them), compiled verification
+        (transformers' assisted loop runs the target eagerly on a dynamic cache) and a fused-forward drafter (Lafa:
+        its draft comes out of the verify forward itself)."""
+        return (self.mode == "tree" or self.has_lookup or self.compile_verification or self.fused_forward
+                or is_stateful_target(model) or generation_config.stop_strings is not None or bool(stopping_criteria))
 
     def replace(self, **changes) -> "SpeculativeSettings":
         """A copy with `changes` (checked again)."""
         return dataclasses.replace(self, **changes)
+
+
+def is_fused_drafter(drafter) -> bool:
+    """A drafter whose drafts come out of the target's own verify forward (`LafaDrafter`: `is_lafa_drafter`)."""
+    return getattr(drafter, "is_lafa_drafter", False) is True
+
+
+def _check_fused_forward(s: "SpeculativeSettings") -> None:
+    """What a Lafa call refuses among the drafting settings (before anything runs)."""
+    if s.mode != "chain":
+        raise ValueError(f"`{_CONFIG}draft_mode` is {s.mode!r}, but a Lafa drafter drafts one chain per round: the "
+                         f"candidate block of the accepted length (block_size - 1 tokens), drafted in the previous "
+                         f"round's verify forward. Set `{_CONFIG}draft_mode = 'chain'`.")
+    for name in ("lookup_num_tokens", "corpus_lookup_num_tokens"):
+        if getattr(s, name) is not None:
+            raise ValueError(f"`{_CONFIG}{name}` is {getattr(s, name)!r}, but a Lafa drafter takes no lookup branch: "
+                             f"a branch would turn the round's chain into a tree, and the fused forward drafts "
+                             f"candidate blocks for a chain's accepted lengths only. Set it to None.")
+    if s.compile_verification:
+        raise ValueError(f"`{_CONFIG}compile_verification` is True, but a Lafa drafter verifies eagerly: its noise-row "
+                         f"weights act through forward hooks on the target's modules during the fused forward, which "
+                         f"a compiled graph would trace in (and keep after the round) or skip. Set it to False.")
 
 
 # ----------------------------------------------------------------------------------------------------- the call
@@ -357,6 +383,15 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
     from transformers import DynamicCache
 
     drafter.check_target(model)
+    if is_fused_drafter(drafter) and input_ids is not None and input_ids.dim() == 2:
+        mask = kwargs.get("attention_mask")
+        if input_ids.shape[0] > 1:
+            raise ValueError(f"`input_ids` is a batch of {input_ids.shape[0]} prompts, but a Lafa drafter decodes one "
+                             f"prompt per call for now (its rounds are built and tested at batch 1). Generate one "
+                             f"prompt at a time.")
+        if mask is not None and not bool((mask != 0).all()):
+            raise ValueError("`attention_mask` pads the prompt, but a Lafa drafter decodes one unpadded prompt per "
+                             "call for now. Pass the prompt without padding (or no `attention_mask`).")
     if input_ids is not None and input_ids.dim() == 2:
         mask = kwargs.get("attention_mask")
         if mask is None and input_ids.shape[0] > 1 and generation_config.pad_token_id is not None:
@@ -470,4 +505,5 @@ def validate_speculative_call(model, drafter, generation_config, input_ids, kwar
 
 __all__ = ["AUTO_BUDGET", "DRAFT_MODES", "SUPPORTED_ATTN_IMPLEMENTATIONS", "SearchSettings", "SpeculativeSettings",
            "check_attention_mask", "check_draft_shape", "check_num_flow_steps", "check_trust_ngram",
-           "is_stateful_target", "lookup_settings", "parse_tree_shape", "validate_speculative_call"]
+           "is_fused_drafter", "is_stateful_target", "lookup_settings", "parse_tree_shape",
+           "validate_speculative_call"]

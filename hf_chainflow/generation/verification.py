@@ -36,9 +36,11 @@ attention cannot take an arbitrary mask, flex attention needs a `BlockMask`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -381,7 +383,9 @@ def _attn_implementation(target: nn.Module) -> str:
 @torch.no_grad()
 def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRows, roots: list[int],
                          trees: list[DraftTree], *, method: str = "chunk", state_layers: Sequence[int] = (),
-                         extra: list[ExtraInputs | None] | None = None, compiled=None) -> VerifyOutput:
+                         extra: list[ExtraInputs | None] | None = None, compiled=None,
+                         around_forward: Callable[[VerifyInputs, int], ContextManager] | None = None
+                         ) -> VerifyOutput:
     """Score every row's `[root] + nodes` in one forward of `target`, appending `n` columns to `cache`.
 
     Args:
@@ -397,6 +401,10 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
             bidirectionally).
         compiled: a `compiled_verification.CompiledVerifier` (with a `StaticCache`): the inputs are padded to its
             bucket and the forward runs compiled where it can (counted by the verifier).
+        around_forward: a fused-forward proposer's context (`Proposer.forward_context`): called as
+            `around_forward(inputs, extra_start)` with this forward's `VerifyInputs` and the first column of the
+            extra inputs, and entered around the one `target(...)` call (e.g. Lafa's noise-row hooks). Eager
+            forwards only: a context that hooks the target's modules would be traced into a compiled graph.
 
     Returns a `VerifyOutput`; the GDN states are untouched until `commit_batch`.
     """
@@ -415,6 +423,11 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
     if T != rows.cache_length:
         raise ValueError(f"The cache holds {T} columns but the rows' longest committed length is "
                          f"{rows.cache_length}; `RaggedRows` must describe this very cache.")
+    if around_forward is not None and compiled is not None:
+        raise ValueError("`around_forward` (a fused-forward proposer's context, e.g. Lafa's noise-row hooks) cannot "
+                         "be combined with `compiled` verification: the hooks it installs on the target's modules "
+                         "would be traced into the compiled graph and kept there after the context ends. Verify "
+                         "eagerly (`compiled=None`).")
     device = target.get_input_embeddings().weight.device
     static = is_static(cache)
     pad_to = None
@@ -437,13 +450,15 @@ def verify_forward_batch(target: nn.Module, cache: DynamicCache, rows: RaggedRow
                           attention_mask=inputs.attention_mask, use_cache=True,
                           output_hidden_states=hidden_state_selection(state_layers),  # only what is read
                           **{_cache_kwarg(target): cache}, **kwargs)
+    extra_start = 1 + max(tree.num_nodes for tree in trees)
     if compiled is None:
-        out = target(**forward_kwargs)
+        with contextlib.nullcontext() if around_forward is None else around_forward(inputs, extra_start):
+            out = target(**forward_kwargs)
     else:
         out = compiled.forward(target, pad_to is not None, lambda: _set_length(cache, T), **forward_kwargs)
     handle = CommitHandle(cache_length=T, num_inputs=inputs.input_ids.shape[1],
                           node_parents=[tree.parents.tolist() for tree in trees], hybrid=ctx,
-                          extra_start=1 + max(tree.num_nodes for tree in trees))
+                          extra_start=extra_start)
     return VerifyOutput(logits=out.logits, hidden_states=select_target_states(out.hidden_states, state_layers),
                         handle=handle)
 

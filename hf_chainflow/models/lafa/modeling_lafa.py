@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, PreTrainedModel
+from transformers import AutoModel, GenerationConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
@@ -201,7 +201,7 @@ class LafaDrafter(LafaPreTrainedModel):
     (`bind_target`, or `from_pretrained(path, target=target)`); the target's modules are borrowed, never owned or
     saved. `noise_rows(mask)` is the context in which the weights act; `forward` runs the target in it."""
 
-    is_lafa_drafter = True  # what the `generate` hook will route by
+    is_lafa_drafter = True  # `generate(assistant_model=...)` routes it to hf_chainflow's loop by this flag
 
     def __init__(self, config: LafaConfig):
         super().__init__(config)
@@ -214,10 +214,23 @@ class LafaDrafter(LafaPreTrainedModel):
         self._bound: dict = {}
         self._active = None
         self.post_init()
+        # What `generate(assistant_model=lafa)` reads (not saved: `can_generate()` is False): a chain of at most
+        # block_size - 1 tokens per round, the candidate block of the accepted length (`num_assistant_tokens` may
+        # cut it); the tree fields only fit the drafting settings' common checks (a tree is refused).
+        depth = config.block_size - 1
+        self.generation_config = GenerationConfig(num_assistant_tokens=depth, num_assistant_tokens_schedule="constant",
+                                                  draft_mode="chain", tree_width=1, tree_depth=depth,
+                                                  tree_budget=None)
+        self.last_stats = None  # the last `generate` call's statistics (`SpeculativeStats`)
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def max_draft_depth(self) -> int:
+        """The longest draft a round verifies: a candidate block's rows `1 .. block_size - 1`."""
+        return self.config.block_size - 1
 
     # ------------------------------------------------------------------ the target
     def bind_target(self, target: PreTrainedModel) -> "LafaDrafter":
