@@ -29,7 +29,7 @@ from hf_chainflow.generation.verification import RaggedRows, verify_forward_batc
 from hf_chainflow.models.lafa.binding_lafa import LafaTargetError
 from hf_chainflow.testing import tiny_target
 
-from testing_common import PAD, Cell, DrafterKind, assert_equivalent, check_sampling, plain_greedy
+from testing_common import PAD, Cell, DrafterKind, assert_equivalent, check_sampling, make_prompts, plain_greedy
 
 FAMILIES = ("llama", "qwen3")
 BLOCK_SIZES = (2, 3, 4)
@@ -42,15 +42,7 @@ def setup(family: str):
     """A tiny target of the family, 30 prompts `(L,)` (1 and 40 tokens among them; odd ones repeat a span) and
     their plain greedy continuations (`MAX_NEW` tokens, no EOS). Shared: nothing may change the target."""
     target = tiny_target(family)
-    gen = torch.Generator().manual_seed(64)
-    prompts = []
-    for i in range(NUM_PROMPTS):
-        if i % 2 == 0:
-            n = {0: 1, 2: 40}.get(i) or int(torch.randint(2, 40, (), generator=gen))
-            prompts.append(torch.randint(3, 256, (n,), generator=gen))
-        else:
-            span = torch.randint(3, 256, (int(torch.randint(3, 12, (), generator=gen)),), generator=gen)
-            prompts.append(torch.cat([span, torch.randint(3, 256, (4,), generator=gen), span]))
+    prompts = make_prompts(NUM_PROMPTS, seed=64)
     with torch.no_grad():  # transformers installs its output-capturing hooks once, at the first such forward
         target(input_ids=prompts[0][None], output_hidden_states=True)
     return target, prompts, [plain_greedy(target, p) for p in prompts]

@@ -171,17 +171,24 @@ def greedy_setup(family: str):
     continuations (`MAX_NEW` tokens, no EOS). Even prompts are random (1 and 40 tokens among them), odd ones repeat a
     span (prompt lookup finds it). Shared by the cells: nothing may change the target."""
     target = tiny_target(family)
-    gen = torch.Generator().manual_seed(11)
+    prompts = make_prompts(NUM_PROMPTS, seed=11)
+    refs = [plain_greedy(target, p) for p in prompts]
+    return target, prompts, refs
+
+
+def make_prompts(count: int, seed: int) -> list[torch.LongTensor]:
+    """`count` prompts `(L,)` over token ids 3-255: even ones random (the first 1 token, the third 40), odd ones a
+    span, 4 tokens, the span again (prompt lookup finds it)."""
+    gen = torch.Generator().manual_seed(seed)
     prompts = []
-    for i in range(NUM_PROMPTS):
+    for i in range(count):
         if i % 2 == 0:
             n = {0: 1, 2: 40}.get(i) or int(torch.randint(2, 40, (), generator=gen))
             prompts.append(torch.randint(3, 256, (n,), generator=gen))
         else:
             span = torch.randint(3, 256, (int(torch.randint(3, 12, (), generator=gen)),), generator=gen)
             prompts.append(torch.cat([span, torch.randint(3, 256, (4,), generator=gen), span]))
-    refs = [plain_greedy(target, p) for p in prompts]
-    return target, prompts, refs
+    return prompts
 
 
 def plain_greedy(target, prompt: torch.LongTensor, max_new_tokens: int = MAX_NEW) -> torch.LongTensor:
