@@ -32,8 +32,9 @@ from hf_chainflow.generation.verification import RaggedRows
 from hf_chainflow.models.lafa.binding_lafa import LafaTargetError
 from hf_chainflow.testing import tiny_target
 
+from _trees import PREFIX_LEN as PREFIX, plain, prefilled
+
 ATOL = 1e-5
-PREFIX = 9
 ROOT = 17
 FAMILIES = ["llama", "qwen3"]
 
@@ -51,19 +52,6 @@ def random_lafa(target, block_size=4, std=0.5, seed=0, **overrides):
         for p in lafa.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * std)
     return lafa.bind_target(target)
-
-
-def prefilled(target, length=PREFIX, seed=0):
-    prefix = torch.randint(3, target.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
-    cache = DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(input_ids=prefix, cache=cache, use_cache=True)
-    return cache
-
-
-@torch.no_grad()
-def plain(target, cache, tokens):
-    return target(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True).logits[0]
 
 
 def draft_of(block_size, seed=1):
@@ -195,10 +183,9 @@ def test_the_noise_rows_change_with_each_kind_of_weight(target):
 # --------------------------------------------------------------------------------------------------------------
 def test_mutation_the_weights_on_every_row_fails(target, monkeypatch):
     lafa = random_lafa(target, 3)
-    monkeypatch.setattr(lafa_gen, "noise_row_mask",
-                        lambda trees, extra, device=None: torch.ones(
-                            len(trees), 1 + max(t.num_nodes for t in trees) + max(e.num_inputs for e in extra),
-                            dtype=torch.bool, device=device))
+    monkeypatch.setattr(lafa_gen, "extra_row_mask",
+                        lambda extra, extra_start, width, device=None: torch.ones(len(extra), width,
+                                                                                  dtype=torch.bool, device=device))
     verify_gap, _ = exactness_gaps(target, lafa, 1)
     assert verify_gap > 1e-2
 

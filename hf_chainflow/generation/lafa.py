@@ -38,7 +38,7 @@ from hf_chainflow.generation.verification import ExtraInputs, RaggedRows, Verify
 from hf_chainflow.models.lafa.binding_lafa import check_attention_only
 
 __all__ = ["FusedVerifyOutput", "commit_fused", "extra_row_mask", "fused_verify_forward", "lafa_extra_inputs",
-           "noise_row_mask", "noise_rows_around"]
+           "noise_rows_around"]
 
 
 def _check_block_size(block_size) -> None:
@@ -80,17 +80,6 @@ def lafa_extra_inputs(block_size: int, num_nodes: int, *, accepted_lengths: Sequ
     sees_extra = torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * k)  # each block, bidirectionally
     return ExtraInputs(input_ids=torch.full((k * B,), int(noise_token_id), dtype=torch.long), positions=positions,
                        sees_draft=sees_draft, sees_extra=sees_extra)
-
-
-def noise_row_mask(trees: Sequence[DraftTree], extra: Sequence[ExtraInputs | None], device=None) -> torch.BoolTensor:
-    """Which inputs of `verification.verify_forward_batch(..., extra=extra)` are noise rows `(B, n + E)`: the
-    columns after every row's `[root] + nodes` (`n = 1 + max N_b`), where the extra inputs sit (`E` the most of any
-    row; a row's padding extra inputs are inert and counted too). The draft's inputs are never noise rows."""
-    n = 1 + max(tree.num_nodes for tree in trees)
-    E = max(0 if e is None else e.num_inputs for e in extra)
-    mask = torch.zeros(len(trees), n + E, dtype=torch.bool, device=device)
-    mask[:, n:] = True
-    return mask
 
 
 def extra_row_mask(extra: Sequence[ExtraInputs | None], extra_start: int, width: int, device=None) -> torch.BoolTensor:
@@ -204,11 +193,10 @@ def fused_verify_forward(target, lafa, cache: DynamicCache, rows: RaggedRows, ro
     pad = lafa.config.pad_token_id
     extra = [lafa_extra_inputs(B, t.num_nodes, accepted_lengths=a, noise_token_id=pad or 0)
              for t, a in zip(trees, lengths)]
-    device = target.get_input_embeddings().weight.device
-    mask = noise_row_mask(trees, extra, device=device)
-    with lafa.noise_rows(mask, tau=tau, generator=generator):
-        out = verification.verify_forward_batch(target, cache, rows, roots, trees, state_layers=state_layers,
-                                                extra=extra)
+    out = verification.verify_forward_batch(target, cache, rows, roots, trees, state_layers=state_layers,
+                                            extra=extra,
+                                            around_forward=noise_rows_around(lafa, extra, tau=tau,
+                                                                             generator=generator))
     return FusedVerifyOutput(verify=out, num_verify_inputs=1 + max(t.num_nodes for t in trees), block_size=B,
                              accepted_lengths=lengths)
 
