@@ -4,7 +4,7 @@ static cache at bucketed shapes, lossless as the eager one.
 - The maths: a static-cache verify forward padded to a bucket scores the draft exactly as the dynamic one (float32,
   atol 1e-5), and its commit leaves the same committed entries; rows leaving a static batch keep its width.
 - The loop: the common tester's greedy cells (every family, mode and batch) and sampling cells (every family,
-  ragged and batch 1) with a compiled `OracleDrafter` kind (`compile_verification=True`, torch.compile's
+  a sampled chain and a tree with a lookup branch, ragged and batch 1) with a compiled `OracleDrafter` kind (`compile_verification=True`, torch.compile's
   `aot_eager` backend: Dynamo and AOTAutograd as inductor sees them, without its C++ code generation, which one test
   runs for real); dense targets run compiled rounds, the hybrid eager ones with the named reason.
 - Faults: a backend that fails warns once and verifies eagerly (same output); a draft beyond the largest bucket runs
@@ -123,8 +123,9 @@ def test_greedy_cells_compiled(cell, rounds):
         assert rounds["compiled"] > 0, rounds
 
 
-@pytest.mark.parametrize("cell", [CompiledCell("oracle", family, "tree+lookup", batch, "sampling")
-                                  for family in common.FAMILIES for batch in common.BATCHES], ids=str)
+@pytest.mark.parametrize("cell", [CompiledCell("oracle", family, mode, batch, "sampling")
+                                  for family in common.FAMILIES for mode in ("chain", "tree+lookup")
+                                  for batch in common.BATCHES], ids=str)
 def test_sampling_cells_compiled(cell, rounds):
     check_cell(cell, kinds=KINDS)
     assert (rounds["compiled"] > 0) == (cell.family != "qwen3_5"), rounds

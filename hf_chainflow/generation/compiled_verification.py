@@ -14,8 +14,9 @@ per shape cost as much per shape as one dynamic graph in all, and measured no fa
   the lookup branch's changing length, a tree cut by its budget and Lafa's extra rows land on a few sizes.
 
 A target compiles once per process for one row and once for a batch (transformers' `get_compiled_call`, the path
-its own `generate` uses for static caches), at the cost of a warm-up: about 35-85 s for SmolLM2-135M on a 2-core
-AMD EPYC Zen 4 (`warm_up` does it ahead of time; the bench does before timing). Rounds that cannot run compiled run
+its own `generate` uses for static caches), at the cost of a warm-up: 52 s (bfloat16) and 41 s (float32) for SmolLM2-135M on a
+2-core AMD EPYC Zen 4 in the bench runs of docs/research/results/compiled-verification (`warm_up` does it ahead of
+time; the bench does before timing). Rounds that cannot run compiled run
 eagerly and are counted (`SpeculativeStats.eager_rounds`, with the reason): a draft larger than the largest bucket,
 more graphs than Dynamo recompiles one function (`torch._dynamo.config.recompile_limit`; Dynamo would fall back to
 eager silently), or a platform that cannot compile (inductor needs a C++ compiler): the first failure warns once
